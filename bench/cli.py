@@ -1,0 +1,82 @@
+"""The ``lynx`` command: one entry point, one subcommand per module.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+Subcommand modules import their heavy dependencies (ucxx, torch, matplotlib)
+inside ``run``, so ``lynx --help`` stays fast and an optional extra that is not
+installed only affects its own subcommand (with an install hint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from lynx_transport.errors import LynxError
+
+__all__ = ["main", "SUBCOMMANDS"]
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("lynx_bench.info", "show versions and which backends are available"),
+}
+
+_EXTRA_HINT = {
+    "ucxx": "ucx",
+    "torch": "model",
+    "transformers": "model",
+    "matplotlib": "bench",
+    "tqdm": "bench",
+    "pyroute2": "bench",
+    "cupy": "gpu",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lynx",
+        description="Lynx: anchor-first KV cache streaming and speculative decoding.",
+    )
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"],
+                        help="logging level for lynx messages (default: warning)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        _load(module).add_arguments(p)
+    return parser
+
+
+def _load(module: str):  # noqa: ANN202 - returns a module
+    return importlib.import_module(module)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lynx`` command line; returns the process exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    try:
+        return int(_load(args._module).run(args) or 0)
+    except ModuleNotFoundError as exc:
+        root = (exc.name or "").split(".")[0]
+        extra = _EXTRA_HINT.get(root)
+        if extra is None:
+            raise
+        print(f"lynx: error: {root} is not installed; install it with "
+              f"`pip install 'lynx-kv[{extra}]'` (or `make install`)", file=sys.stderr)
+        return 3
+    except LynxError as exc:
+        print(f"lynx: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lynx: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The one exception tree of Lynx.
+
+Every error Lynx raises derives from :class:`LynxError`. The transport layer
+owns the root (it is the bottom layer; everything above may import it)::
+
+    LynxError
+    ├── TransportError                  lynx_transport: moving bytes
+    │   ├── ConnectError                nobody listening, handshake refused
+    │   │   └── AuthenticationError     wrong or missing shared secret
+    │   ├── PeerDisconnectedError       the peer died, closed, or went silent
+    │   ├── TransportTimeoutError       a blocking call ran past its timeout
+    │   ├── ProtocolError               a bad frame from the wire
+    │   │   └── ManifestError           a manifest that is malformed or too big
+    │   ├── PoolExhaustedError          the receive pool cannot hold a stream
+    │   ├── ClosedError                 the object was closed by its owner
+    │   ├── StreamFailedError           a stream ended failed (carries the reason)
+    │   └── LinkError                   tc / network-namespace emulation failed
+    ├── CodecError                      lynx_decode: format and layout
+    │   └── LayoutError                 a layout descriptor is inconsistent
+    ├── BackendError                    a requested backend is unavailable
+    ├── DecodeError                     lynx_decode: model and generation
+    │   ├── ModelError                  the model cannot be found or loaded
+    │   └── PromptError                 the prompt does not fit the model
+    └── ConfigError                     bad user arguments (CLI, configs)
+
+Backend exceptions (ucxx, OSError, ...) are translated into this tree in exactly
+one place per backend (``raise Mapped(...) from exc``). The decode-side classes
+live here too so that there is a single root; :mod:`lynx_decode.errors`
+re-exports them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LynxError",
+    "TransportError",
+    "ConnectError",
+    "AuthenticationError",
+    "PeerDisconnectedError",
+    "TransportTimeoutError",
+    "ProtocolError",
+    "ManifestError",
+    "PoolExhaustedError",
+    "ClosedError",
+    "StreamFailedError",
+    "LinkError",
+    "CodecError",
+    "LayoutError",
+    "BackendError",
+    "DecodeError",
+    "ModelError",
+    "PromptError",
+    "ConfigError",
+]
+
+
+class LynxError(Exception):
+    """Root of every exception Lynx raises."""
+
+
+class TransportError(LynxError):
+    """Something went wrong moving bytes."""
+
+
+class ConnectError(TransportError):
+    """A connection could not be established (nobody listening, refused)."""
+
+
+class AuthenticationError(ConnectError):
+    """The peer failed the shared-secret handshake."""
+
+
+class PeerDisconnectedError(TransportError):
+    """The peer closed the connection, died, or stopped answering heartbeats."""
+
+
+class TransportTimeoutError(TransportError, TimeoutError):
+    """A blocking call did not finish within its timeout."""
+
+
+class ProtocolError(TransportError):
+    """A frame from the wire is malformed (magic, version, sizes, offsets)."""
+
+
+class ManifestError(ProtocolError):
+    """A stream manifest is malformed, inconsistent or larger than allowed."""
+
+
+class PoolExhaustedError(TransportError):
+    """The receive pool has no room for the stream's regions."""
+
+
+class ClosedError(TransportError):
+    """The object was closed by its owner and cannot be used any more."""
+
+
+class StreamFailedError(TransportError):
+    """A stream ended in the failed state; ``reason`` says why."""
+
+    def __init__(self, message: str, reason: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class LinkError(TransportError):
+    """Link emulation (network namespaces, tc) could not be set up or torn down."""
+
+
+class CodecError(LynxError):
+    """Bad input to the KV codec (dtype, shape, contiguity, bits)."""
+
+
+class LayoutError(CodecError):
+    """A layout descriptor is malformed or inconsistent."""
+
+
+class BackendError(LynxError):
+    """A requested compute backend (numba, cupy) is unavailable."""
+
+
+class DecodeError(LynxError):
+    """Speculative decoding or the model adapter failed."""
+
+
+class ModelError(DecodeError):
+    """The model could not be found or loaded."""
+
+
+class PromptError(DecodeError):
+    """The prompt is empty or does not fit the model's context window."""
+
+
+class ConfigError(LynxError, ValueError):
+    """A user argument or configuration value is invalid."""

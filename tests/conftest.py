@@ -1,0 +1,46 @@
+"""Shared test configuration.
+
+GPU tests are skipped by a capability probe at collection time (never by catching
+failures); the probe's reason is shown in the summary (`-ra`). netns tests need
+root and iproute2; they are skipped with the reason when either is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import pytest
+
+
+@functools.cache
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy and a CUDA device are usable, else why not."""
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError:
+        return "CuPy is not installed (pip install 'lynx-kv[gpu]')"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - the probe reports any CUDA failure
+        return f"no usable CUDA device ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "no CUDA device"
+
+
+@functools.cache
+def netns_unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "gpu" in item.keywords and (reason := gpu_unavailable_reason()):
+            item.add_marker(pytest.mark.skip(reason=f"gpu: {reason}"))
+        if "netns" in item.keywords and (reason := netns_unavailable_reason()):
+            item.add_marker(pytest.mark.skip(reason=f"netns: {reason}"))
