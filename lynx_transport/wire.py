@@ -1,0 +1,217 @@
+"""Control-channel frames: versioned, length-prefixed, validated before any allocation.
+
+Every control message travels as one frame::
+
+    magic  b"LYNX"  4 bytes
+    version         u8   (must be WIRE_VERSION)
+    type            u8   (a FrameType)
+    flags           u16  (must be 0 in version 1)
+    length          u32  payload bytes that follow
+
+Bulk data never travels in frames: it goes over UCX tagged messages straight
+into the receive pool (see :mod:`lynx_transport.receiver`).
+
+:class:`FrameDecoder` is incremental and bounded: the header is checked before
+any payload is buffered, and a payload longer than ``max_payload`` is never
+stored. An oversized ``OPEN`` (manifest) frame is skipped byte by byte and
+reported as :class:`OversizedFrame` so the receiver can reject that one stream
+and keep the connection; any other bad frame is a :class:`ProtocolError` after
+which the connection cannot be resynchronised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+from collections.abc import Iterator
+
+from lynx_transport.errors import ProtocolError
+
+__all__ = [
+    "WIRE_MAGIC", "WIRE_VERSION", "HEADER", "FrameType", "Frame", "OversizedFrame",
+    "FrameDecoder", "encode_frame", "RejectReason",
+    "pack_u64", "unpack_u64", "pack_stream_lane", "unpack_stream_lane",
+    "pack_stream_token", "unpack_stream_token", "pack_stream_text", "unpack_stream_text",
+    "pack_rate", "unpack_rate", "pack_welcome", "unpack_welcome",
+]
+
+WIRE_MAGIC = b"LYNX"
+WIRE_VERSION = 1
+HEADER = struct.Struct("!4sBBHI")
+#: Bytes of an oversized frame's payload that are kept (enough for a stream id).
+OVERSIZED_PREFIX = 8
+MAX_TEXT = 1024
+MAX_ADDRESS = 64 * 1024
+
+
+class FrameType(enum.IntEnum):
+    """Control messages. S = sender, R = receiver."""
+
+    HELLO = 1          # S->R  first frame on a connection
+    WELCOME = 2        # R->S  receiver's UCX worker address, requested rate
+    OPEN = 3           # S->R  a stream manifest
+    ACCEPT = 4         # R->S  stream id, tag token: pool carved, receives posted
+    REJECT = 5         # R->S  stream id, reason code, message
+    LANE_DONE = 6      # R->S  stream id, lane: every byte of the lane is in place
+    STREAM_DONE = 7    # R->S  stream id: every byte of the stream is in place
+    CANCEL = 8         # S->R  stream id: the sender abandons the stream
+    STREAM_FAILED = 9  # either  stream id, message
+    HEARTBEAT = 10     # either  liveness when idle
+    RATE = 11          # R->S  hold this connection to a rate (0 = no cap)
+    GOODBYE = 12       # either  orderly close
+
+
+class RejectReason(enum.IntEnum):
+    """Why a receiver refused a stream (carried by REJECT)."""
+
+    MANIFEST = 1
+    POOL_EXHAUSTED = 2
+    CLOSED = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    type: FrameType
+    payload: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class OversizedFrame:
+    """A frame whose payload exceeded the limit; only its first bytes were kept."""
+
+    type: FrameType
+    length: int
+    prefix: bytes
+
+
+def encode_frame(ftype: FrameType, payload: bytes = b"") -> bytes:
+    """Header + payload, ready for the socket."""
+    if len(payload) > 0xFFFFFFFF:
+        raise ProtocolError(f"frame payload of {len(payload)} bytes does not fit the wire format")
+    return HEADER.pack(WIRE_MAGIC, WIRE_VERSION, int(ftype), 0, len(payload)) + payload
+
+
+class FrameDecoder:
+    """Turns a byte stream into frames; raises :class:`ProtocolError` on a bad header."""
+
+    def __init__(self, max_payload: int) -> None:
+        self.max_payload = max_payload
+        self._buf = bytearray()
+        self._skip = 0  # bytes of an oversized payload still to discard
+
+    def feed(self, data: bytes) -> Iterator[Frame | OversizedFrame]:
+        """Consume ``data``; yield every complete frame it finishes."""
+        self._buf += data
+        while True:
+            if self._skip:
+                n = min(self._skip, len(self._buf))
+                del self._buf[:n]
+                self._skip -= n
+                if self._skip:
+                    return
+            if len(self._buf) < HEADER.size:
+                return
+            magic, version, ftype, flags, length = HEADER.unpack_from(self._buf)
+            if magic != WIRE_MAGIC:
+                raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {WIRE_MAGIC!r}): "
+                                    "the peer is not a Lynx transport")
+            if version != WIRE_VERSION:
+                raise ProtocolError(f"unsupported wire version {version} (this side speaks "
+                                    f"{WIRE_VERSION}); upgrade the older peer")
+            try:
+                kind = FrameType(ftype)
+            except ValueError:
+                raise ProtocolError(f"unknown frame type {ftype}") from None
+            if flags != 0:
+                raise ProtocolError(f"frame flags must be 0 in wire version 1, got {flags:#x}")
+            if length > self.max_payload:
+                if kind is not FrameType.OPEN:
+                    raise ProtocolError(f"{kind.name} frame of {length} bytes exceeds the "
+                                        f"{self.max_payload}-byte limit")
+                if len(self._buf) < HEADER.size + min(length, OVERSIZED_PREFIX):
+                    return
+                prefix = bytes(self._buf[HEADER.size:HEADER.size + OVERSIZED_PREFIX])
+                del self._buf[:HEADER.size]
+                self._skip = length
+                yield OversizedFrame(kind, length, prefix)
+                continue
+            if len(self._buf) < HEADER.size + length:
+                return
+            payload = bytes(self._buf[HEADER.size:HEADER.size + length])
+            del self._buf[:HEADER.size + length]
+            yield Frame(kind, payload)
+
+
+# -- small payloads ---------------------------------------------------------------
+_U64 = struct.Struct("!Q")
+_STREAM_LANE = struct.Struct("!QB")
+_STREAM_TOKEN = struct.Struct("!QI")
+_RATE = struct.Struct("!dQ")
+_STREAM_CODE = struct.Struct("!QBH")
+
+
+def _exact(st: struct.Struct, payload: bytes, what: str) -> tuple:
+    if len(payload) != st.size:
+        raise ProtocolError(f"{what} payload must be {st.size} bytes, got {len(payload)}")
+    return st.unpack(payload)
+
+
+def pack_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def unpack_u64(payload: bytes, what: str = "frame") -> int:
+    return _exact(_U64, payload, what)[0]
+
+
+def pack_stream_lane(stream_id: int, lane: int) -> bytes:
+    return _STREAM_LANE.pack(stream_id, lane)
+
+
+def unpack_stream_lane(payload: bytes) -> tuple[int, int]:
+    return _exact(_STREAM_LANE, payload, "LANE_DONE")
+
+
+def pack_stream_token(stream_id: int, token: int) -> bytes:
+    return _STREAM_TOKEN.pack(stream_id, token)
+
+
+def unpack_stream_token(payload: bytes) -> tuple[int, int]:
+    return _exact(_STREAM_TOKEN, payload, "ACCEPT")
+
+
+def pack_stream_text(stream_id: int, code: int, text: str) -> bytes:
+    raw = text.encode("utf-8", "replace")[:MAX_TEXT]
+    return _STREAM_CODE.pack(stream_id, code, len(raw)) + raw
+
+
+def unpack_stream_text(payload: bytes) -> tuple[int, int, str]:
+    if len(payload) < _STREAM_CODE.size:
+        raise ProtocolError(f"truncated stream message ({len(payload)} bytes)")
+    stream_id, code, n = _STREAM_CODE.unpack_from(payload)
+    if n > MAX_TEXT or len(payload) != _STREAM_CODE.size + n:
+        raise ProtocolError("stream message text length does not match the frame")
+    return stream_id, code, payload[_STREAM_CODE.size:].decode("utf-8", "replace")
+
+
+def pack_rate(gbps: float, burst_bytes: int) -> bytes:
+    return _RATE.pack(gbps, burst_bytes)
+
+
+def unpack_rate(payload: bytes) -> tuple[float, int]:
+    gbps, burst = _exact(_RATE, payload, "RATE")
+    if not (gbps == 0.0 or 0.0 < gbps < 1e6) or (gbps > 0 and burst < 1):
+        raise ProtocolError(f"bad RATE values gbps={gbps!r} burst={burst}")
+    return gbps, burst
+
+
+def pack_welcome(address: bytes, gbps: float, burst_bytes: int) -> bytes:
+    return _RATE.pack(gbps, burst_bytes) + address
+
+
+def unpack_welcome(payload: bytes) -> tuple[bytes, float, int]:
+    if len(payload) < _RATE.size + 1 or len(payload) > _RATE.size + MAX_ADDRESS:
+        raise ProtocolError(f"WELCOME payload of {len(payload)} bytes is out of range")
+    gbps, burst = unpack_rate(payload[:_RATE.size])
+    return payload[_RATE.size:], gbps, burst

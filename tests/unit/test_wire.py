@@ -1,0 +1,79 @@
+"""Control frames: round trips, strict header validation, bounded decoding."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lynx_transport import wire
+from lynx_transport.errors import ProtocolError
+from lynx_transport.wire import FrameDecoder, FrameType, OversizedFrame, encode_frame
+
+
+def decode_all(decoder: FrameDecoder, data: bytes, step: int) -> list:
+    out = []
+    for i in range(0, len(data), step):
+        out.extend(decoder.feed(data[i:i + step]))
+    return out
+
+
+@settings(max_examples=50, deadline=None)
+@given(frames=st.lists(st.tuples(st.sampled_from(list(FrameType)), st.binary(max_size=300)),
+                       max_size=8),
+       step=st.integers(1, 64))
+def test_round_trip_in_arbitrary_pieces(frames: list[tuple[FrameType, bytes]], step: int) -> None:
+    data = b"".join(encode_frame(t, p) for t, p in frames)
+    got = decode_all(FrameDecoder(max_payload=1000), data, step)
+    assert [(f.type, f.payload) for f in got] == frames
+
+
+def test_truncated_frame_yields_nothing_until_complete() -> None:
+    data = encode_frame(FrameType.HEARTBEAT, b"abc")
+    dec = FrameDecoder(100)
+    assert list(dec.feed(data[:-1])) == []
+    assert [f.payload for f in dec.feed(data[-1:])] == [b"abc"]
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda b: b"XYNX" + b[4:], "magic"),
+    (lambda b: b[:4] + bytes([2]) + b[5:], "version"),
+    (lambda b: b[:5] + bytes([99]) + b[6:], "frame type"),
+    (lambda b: b[:6] + b"\x00\x01" + b[8:], "flags"),
+])
+def test_bad_header_is_a_protocol_error(mutate, message: str) -> None:
+    data = mutate(encode_frame(FrameType.HELLO, b""))
+    with pytest.raises(ProtocolError, match=message):
+        list(FrameDecoder(100).feed(data))
+
+
+def test_oversized_non_manifest_frame_is_fatal_without_buffering() -> None:
+    header = wire.HEADER.pack(wire.WIRE_MAGIC, wire.WIRE_VERSION, FrameType.RATE, 0, 0xFFFFFFFF)
+    dec = FrameDecoder(100)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        list(dec.feed(header))
+
+
+def test_oversized_manifest_is_skipped_and_the_next_frame_still_decodes() -> None:
+    big = encode_frame(FrameType.OPEN, (42).to_bytes(8, "big") + b"x" * 5000)
+    nxt = encode_frame(FrameType.HEARTBEAT, b"")
+    dec = FrameDecoder(max_payload=100)
+    got = decode_all(dec, big + nxt, 333)
+    assert isinstance(got[0], OversizedFrame)
+    assert got[0].length == 5008 and got[0].prefix == (42).to_bytes(8, "big")
+    assert got[1].type is FrameType.HEARTBEAT
+    assert len(dec._buf) == 0  # nothing of the big payload was kept
+
+
+def test_small_payload_helpers_round_trip_and_reject_wrong_sizes() -> None:
+    assert wire.unpack_stream_lane(wire.pack_stream_lane(5, 1)) == (5, 1)
+    assert wire.unpack_stream_token(wire.pack_stream_token(5, 9)) == (5, 9)
+    assert wire.unpack_stream_text(wire.pack_stream_text(5, 2, "no room")) == (5, 2, "no room")
+    assert wire.unpack_rate(wire.pack_rate(1.5, 4096)) == (1.5, 4096)
+    assert wire.unpack_welcome(wire.pack_welcome(b"addr", 0.0, 0)) == (b"addr", 0.0, 0)
+    with pytest.raises(ProtocolError):
+        wire.unpack_stream_lane(b"\x00" * 8)
+    with pytest.raises(ProtocolError):
+        wire.unpack_rate(wire.pack_rate(float("nan"), 1))
+    with pytest.raises(ProtocolError):
+        wire.unpack_stream_text(wire.pack_stream_text(5, 2, "abc")[:-1])
