@@ -1,0 +1,10 @@
+"""Model adapters: a causal LM whose KV cache is exported and imported per layer.
+
+Importing this package does not import torch or transformers."""
+
+from lynx_decode.model.buffers import KVBuffers, KVShape
+from lynx_decode.model.hf import HFCausalLM, SlabCache
+from lynx_decode.model.protocol import CausalLM, LMCache, ModelInfo, Prefill
+
+__all__ = ["CausalLM", "LMCache", "ModelInfo", "Prefill", "KVBuffers", "KVShape",
+           "HFCausalLM", "SlabCache"]

