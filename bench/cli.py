@@ -21,6 +21,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("lynx_bench.info", "show versions and which backends are available"),
+    "link": ("lynx_bench.link_cli", "emulated network link: two namespaces, veth, tc shaping"),
 }
 
 _EXTRA_HINT = {

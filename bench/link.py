@@ -1,0 +1,235 @@
+"""An emulated network link: two namespaces joined by a veth pair, shaped with tc.
+
+::
+
+    {prefix}-tx namespace                      {prefix}-rx namespace
+    dev {prefix}-tx  10.254.0.1/30  <== veth ==>  10.254.0.2/30  dev {prefix}-rx
+    egress: htb rate R                            egress: htb rate R
+
+Both directions are shaped with htb (root class ``1:1`` at the rate; default leaf
+``1:99``). With ``lanes`` > 0 each lane gets a leaf ``1:1<i>`` (hex class ids
+``1:10``, ``1:11``, ...) with htb priority ``i`` — lane 0 is served first and the
+others only use what it leaves — matched by u32 filters on the lane's TCP port
+range as source *or* destination port, so the network itself enforces anchor
+priority as long as each lane's UCX worker uses its range
+(:meth:`Link.ucx_env`). Unmatched traffic (handshakes, control) goes to ``1:99``
+at priority 0. netem (delay/jitter/loss) is attached under each leaf when asked
+for, and only if the kernel has it: otherwise :meth:`Link.up` raises
+:class:`LinkError` before creating anything.
+
+Nothing is routed outside the two namespaces: the root namespace is untouched.
+
+Lifetime: ``with Link(config) as link:`` brings the link up and always tears it
+down (also on errors and Ctrl-C, which arrives as ``KeyboardInterrupt``);
+:func:`teardown` (``lynx link down``) is idempotent and also removes a link some
+other process left behind. Processes started with :meth:`Link.popen_in` are ended
+on teardown, as is anything else still running inside the namespaces.
+Threads: a ``Link`` is not thread-safe; use it from one thread.
+
+Usage::
+
+    with Link(LinkConfig(rate_gbps=1.0)) as link:
+        receiver = link.popen_in("rx", [sys.executable, "-m", "my.receiver"])
+        link.run_in("tx", [sys.executable, "-m", "my.sender", link.address("rx")])
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from lynx_transport.errors import LinkError
+
+from .link_config import LinkConfig, PortRange, Side
+from .link_status import LinkStatus, inspect_link
+from .link_sys import delete_namespace, namespaces, netem_available, require_root, sh
+
+__all__ = ["Link", "teardown", "DEFAULT_CLASS", "lane_class"]
+
+_log = logging.getLogger("lynx_bench.link")
+
+DEFAULT_CLASS = "1:99"
+_QUANTUM = 65536  # bytes per DRR round: one full GSO packet
+
+
+def lane_class(lane: int) -> str:
+    """The htb class id of ``lane`` (hex minor numbers, as tc reads them)."""
+    return f"1:{0x10 + lane:x}"
+
+
+def teardown(prefix: str) -> list[str]:
+    """Remove the link named ``prefix``: end the processes inside its namespaces and
+    delete them (which destroys the veth pair and the qdiscs). Idempotent: returns
+    the namespaces it removed, ``[]`` when there was nothing to remove."""
+    mine = [f"{prefix}-{side.value}" for side in Side]
+    present = [ns for ns in mine if ns in namespaces()]
+    if present:
+        require_root()
+    for ns in present:
+        delete_namespace(ns)
+    return present
+
+
+class Link:
+    """An emulated link described by a :class:`LinkConfig` (see the module docstring)."""
+
+    def __init__(self, config: LinkConfig) -> None:
+        self._config = config
+        self._children: list[subprocess.Popen[Any]] = []
+        self._up = False
+
+    @property
+    def config(self) -> LinkConfig:
+        return self._config
+
+    # -- lifetime -----------------------------------------------------------------
+
+    def up(self) -> Link:
+        """Create namespaces, veth pair, addresses and qdiscs.
+
+        Raises :class:`LinkError` when not root, when delay/loss/jitter are asked for
+        and the kernel has no netem, when a link with this prefix already exists,
+        or when any ip/tc command fails — after removing whatever it had created.
+        """
+        cfg = self._config
+        require_root()
+        if cfg.wants_netem and not netem_available():
+            raise LinkError(
+                "this kernel has no netem qdisc (sch_netem), so delay, jitter and loss "
+                "cannot be emulated; only the rate can (htb). Drop --delay/--jitter/--loss, "
+                "or use a kernel with netem. Nothing was set up.")
+        existing = [ns for ns in (cfg.namespace(s) for s in Side) if ns in namespaces()]
+        if existing:
+            raise LinkError(f"namespaces {', '.join(existing)} already exist; run "
+                            f"`lynx link down --prefix {cfg.prefix}` first")
+        try:
+            self._create()
+        except BaseException:
+            _log.debug("setting up link %s failed; tearing down", cfg.prefix)
+            teardown(cfg.prefix)
+            raise
+        self._up = True
+        return self
+
+    def down(self) -> list[str]:
+        """End the processes this link started, then :func:`teardown`. Idempotent."""
+        for child in self._children:
+            if child.poll() is None:
+                child.terminate()
+                try:
+                    child.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+        self._children.clear()
+        self._up = False
+        return teardown(self._config.prefix)
+
+    def __enter__(self) -> Link:
+        return self if self._up else self.up()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.down()
+
+    def _create(self) -> None:
+        cfg = self._config
+        tx, rx = cfg.namespace(Side.TX), cfg.namespace(Side.RX)
+        sh(["ip", "netns", "add", tx])
+        sh(["ip", "netns", "add", rx])
+        sh(["ip", "-n", tx, "link", "add", cfg.device(Side.TX), "type", "veth",
+            "peer", "name", cfg.device(Side.RX), "netns", rx])
+        for side in Side:
+            ns, dev = cfg.namespace(side), cfg.device(side)
+            sh(["ip", "-n", ns, "addr", "add", f"{cfg.address(side)}/{cfg.prefixlen}",
+                "dev", dev])
+            sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+            sh(["ip", "-n", ns, "link", "set", dev, "up"])
+            self._shape(ns, dev)
+
+    def _shape(self, ns: str, dev: str) -> None:
+        cfg = self._config
+        rate = round(cfg.rate_gbps * 1e9)
+        burst = str(cfg.burst)
+
+        def tc(*args: str) -> None:
+            sh(["tc", "-n", ns, *args])
+
+        def leaf(classid: str, assured: int, prio: int) -> None:
+            tc("class", "add", "dev", dev, "parent", "1:1", "classid", classid, "htb",
+               "rate", f"{assured}bit", "ceil", f"{rate}bit", "burst", burst,
+               "cburst", burst, "prio", str(prio), "quantum", str(_QUANTUM))
+            if cfg.wants_netem:
+                netem = ["delay", f"{cfg.delay_ms}ms"]
+                if cfg.jitter_ms:
+                    netem.append(f"{cfg.jitter_ms}ms")
+                if cfg.loss_pct:
+                    netem += ["loss", f"{cfg.loss_pct}%"]
+                tc("qdisc", "add", "dev", dev, "parent", classid, "netem", *netem,
+                   "limit", "100000")
+
+        tc("qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
+           "default", DEFAULT_CLASS.split(":")[1])
+        tc("class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+           "rate", f"{rate}bit", "ceil", f"{rate}bit", "burst", burst, "cburst", burst,
+           "quantum", str(_QUANTUM))
+        if cfg.lanes == 0:
+            leaf(DEFAULT_CLASS, rate, 0)
+            return
+        # every class is assured a sliver; lane 0 gets the rest and borrows first
+        sliver = max(8, rate // 100)
+        leaf(DEFAULT_CLASS, sliver, 0)
+        for lane in range(cfg.lanes):
+            assured = rate - cfg.lanes * sliver if lane == 0 else sliver
+            leaf(lane_class(lane), assured, lane)
+            ports = cfg.lane_ports(lane)
+            for field in ("sport", "dport"):
+                tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                   "u32", "match", "ip", field, str(ports.low), f"0x{ports.mask:04x}",
+                   "flowid", lane_class(lane))
+
+    # -- where things are ---------------------------------------------------------
+
+    def namespace(self, side: Side | str) -> str:
+        return self._config.namespace(side)
+
+    def device(self, side: Side | str) -> str:
+        return self._config.device(side)
+
+    def address(self, side: Side | str) -> str:
+        return self._config.address(side)
+
+    def lane_ports(self, lane: int) -> PortRange:
+        return self._config.lane_ports(lane)
+
+    def ucx_env(self, side: Side | str, lane: int | None = None) -> dict[str, str]:
+        """Environment for a UCX (ucxx) process on ``side``: tcp only, on the veth, and,
+        for a ``lane``, that lane's port range for the worker's data connections."""
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.device(side)}
+        if lane is not None:
+            env["UCX_TCP_PORT_RANGE"] = self.lane_ports(lane).ucx
+        return env
+
+    def status(self) -> LinkStatus:
+        return inspect_link(self._config.prefix)
+
+    # -- running things inside --------------------------------------------------
+
+    def exec_argv(self, side: Side | str, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside ``side``'s namespace (``ip netns exec``)."""
+        return ["ip", "netns", "exec", self.namespace(side), *argv]
+
+    def popen_in(self, side: Side | str, argv: Sequence[str],
+                 **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside ``side``'s namespace; it is ended by :meth:`down`."""
+        child = subprocess.Popen(self.exec_argv(side, argv), **kwargs)
+        self._children.append(child)
+        return child
+
+    def run_in(self, side: Side | str, argv: Sequence[str],
+               **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        """Run ``argv`` inside ``side``'s namespace to completion (``subprocess.run``)."""
+        return subprocess.run(self.exec_argv(side, argv), check=False, **kwargs)
