@@ -8,6 +8,7 @@ fails; the finalizer then asserts that nothing is left.
 from __future__ import annotations
 
 import json
+import signal
 import os
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def children() -> Iterator[list[subprocess.Popen[str]]]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+            p.communicate()  # reaps and closes the pipes
 
 
 def test_link_up_shapes_to_1gbit_and_down_removes_everything(
@@ -180,3 +181,59 @@ def test_lane_zero_takes_the_link_before_lane_one(
     # run at nearly the full rate while lane 1 waits for it
     assert float(lane0["gbps"]) >= 0.8, (lane0, lane1)  # type: ignore[arg-type]
     assert s1 >= 1.7 * s0, (lane0, lane1)
+
+
+def test_ctrl_c_tears_the_link_down(prefix: str) -> None:
+    """A program holding ``with Link(...)`` that gets SIGINT leaves nothing behind,
+    including the process it started inside the link."""
+    program = (
+        "import subprocess, sys\n"
+        "from lynx_bench.link import Link\n"
+        "from lynx_bench.link_config import LinkConfig\n"
+        f"with Link(LinkConfig(rate_gbps=0.5, prefix={prefix!r})) as link:\n"
+        "    inside = link.popen_in('rx', ['sh', '-c', 'echo in; exec sleep 300'],\n"
+        "                           stdout=subprocess.PIPE, text=True)\n"
+        "    assert inside.stdout.readline() == 'in\\n'\n"
+        "    print('up', flush=True)\n"
+        "    sys.stdin.read()\n"  # blocks until interrupted
+    )
+    with subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline() == "up\n", child.communicate()[1]
+            assert {f"{prefix}-tx", f"{prefix}-rx"} <= namespaces()
+            sleeper = subprocess.run(["ip", "netns", "pids", f"{prefix}-rx"],
+                                     capture_output=True, text=True, check=True).stdout.split()
+            assert len(sleeper) == 1
+            child.send_signal(signal.SIGINT)
+            _, err = child.communicate(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    assert "KeyboardInterrupt" in err
+    assert not {f"{prefix}-tx", f"{prefix}-rx"} & namespaces()
+    assert not Path(f"/proc/{sleeper[0]}").exists()
+
+
+def test_down_ends_processes_left_inside(prefix: str,
+                                         children: list[subprocess.Popen[str]]) -> None:
+    assert lynx("link", "up", "--rate", "100mbit", "--prefix", prefix).returncode == 0
+    stray = start(["ip", "netns", "exec", f"{prefix}-tx", "sh", "-c", "echo in; exec sleep 300"],
+                  children)
+    assert stray.stdout is not None and stray.stdout.readline() == "in\n"  # it is inside
+    down = lynx("link", "down", "--prefix", prefix)
+    assert down.returncode == 0, down.stderr
+    assert stray.wait(timeout=10) != 0  # ended by a signal
+    assert not {f"{prefix}-tx", f"{prefix}-rx"} & namespaces()
+
+
+def test_up_refuses_to_touch_a_namespace_it_did_not_create(prefix: str) -> None:
+    foreign = f"{prefix}-rx"
+    subprocess.run(["ip", "netns", "add", foreign], check=True)
+    up = lynx("link", "up", "--rate", "1gbit", "--prefix", prefix)
+    assert up.returncode == 2
+    assert "already exist" in up.stderr and f"lynx link down --prefix {prefix}" in up.stderr
+    assert foreign in namespaces()  # left alone
+    assert f"{prefix}-tx" not in namespaces()  # and nothing half-made
