@@ -1,0 +1,200 @@
+"""Numba CPU kernels for bit packing: the fast twins of ``lynx_decode.codec._pack``
+(same format, bit for bit; the format is defined there).
+
+Each kernel takes uint64 *word* views of whole 64-value blocks (8 words of byte
+values <-> ``w`` words of packed fields) and works a block at a time with
+shift-and-mask operations that never cross a byte lane, ``prange`` over blocks,
+no temporaries, and streaming stores for outputs. The packing width is a
+compile-time constant of each kernel (one small kernel per width, sharing an
+inlined body), so every shift and mask folds to an immediate.
+
+Importing this module imports numba; nothing is compiled until a kernel is first
+called, and ``cache=True`` keeps the machine code on disk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from numba import njit, prange
+
+from lynx_kernels._nt import stream_store
+
+__all__ = ["split_kernel", "merge_kernel", "unpack_kernel", "pack_kernel", "WIDTHS"]
+
+WIDTHS = (2, 3, 4, 5, 6)
+_REP = 0x0101010101010101
+
+
+@njit(inline="always", cache=True)
+def _pack_word(x, base, shift, mask, w, m):  # pragma: no cover - compiled
+    # word m of the packed block of the w-bit lane values ((x[base+i] >> shift) & mask)
+    rep = np.uint64(_REP)
+    acc = np.uint64(0)
+    for i in range(8):
+        s = i * w - 8 * m
+        if -w < s < 8:
+            v = (x[base + i] >> np.uint64(shift)) & mask
+            if s >= 0:
+                acc |= (v << np.uint64(s)) & (np.uint64((0xFF << s) & 0xFF) * rep)
+            else:
+                acc |= (v >> np.uint64(-s)) & (np.uint64((1 << (w + s)) - 1) * rep)
+    return acc
+
+
+@njit(inline="always", cache=True)
+def _unpack_word(p, base, w, i):  # pragma: no cover - compiled
+    # word i (8 lane values) of the packed block p[base : base + w]
+    rep = np.uint64(_REP)
+    acc = np.uint64(0)
+    for m in range(w):
+        s = i * w - 8 * m
+        if -w < s < 8:
+            if s >= 0:
+                acc |= (p[base + m] >> np.uint64(s)) & (np.uint64((1 << min(w, 8 - s)) - 1) * rep)
+            else:
+                acc |= (p[base + m] << np.uint64(-s)) & (np.uint64(((1 << (w + s)) - 1) << -s) * rep)
+    return acc
+
+
+@njit(inline="always", cache=True)
+def _split(codes, anchor, residual, wa, wr):  # pragma: no cover - compiled
+    rep = np.uint64(_REP)
+    amask = np.uint64((1 << wa) - 1) * rep
+    rmask = np.uint64((1 << wr) - 1) * rep
+    for blk in prange(codes.size // 8):
+        for m in range(wa):
+            stream_store(anchor, blk * wa + m, _pack_word(codes, blk * 8, wr, amask, wa, m))
+        for m in range(wr):
+            stream_store(residual, blk * wr + m, _pack_word(codes, blk * 8, 0, rmask, wr, m))
+
+
+@njit(inline="always", cache=True)
+def _merge(anchor, residual, codes, wa, wr):  # pragma: no cover - compiled
+    for blk in prange(codes.size // 8):
+        for i in range(8):
+            high = _unpack_word(anchor, blk * wa, wa, i) << np.uint64(wr)
+            stream_store(codes, blk * 8 + i, high | _unpack_word(residual, blk * wr, wr, i))
+
+
+@njit(inline="always", cache=True)
+def _unpack(packed, values, w):  # pragma: no cover - compiled
+    for blk in prange(values.size // 8):
+        for i in range(8):
+            stream_store(values, blk * 8 + i, _unpack_word(packed, blk * w, w, i))
+
+
+@njit(inline="always", cache=True)
+def _pack(values, packed, w):  # pragma: no cover - compiled
+    mask = np.uint64((1 << w) - 1) * np.uint64(_REP)
+    for blk in prange(values.size // 8):
+        for m in range(w):
+            stream_store(packed, blk * w + m, _pack_word(values, blk * 8, 0, mask, w, m))
+
+
+# One kernel per width (constants fold); codes/values are uint64[8*nblk], packed uint64[w*nblk].
+@njit(parallel=True, cache=True)
+def _split2(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 2, 6)
+
+
+@njit(parallel=True, cache=True)
+def _split3(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 3, 5)
+
+
+@njit(parallel=True, cache=True)
+def _split4(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 4, 4)
+
+
+@njit(parallel=True, cache=True)
+def _split5(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 5, 3)
+
+
+@njit(parallel=True, cache=True)
+def _split6(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 6, 2)
+
+
+@njit(parallel=True, cache=True)
+def _merge2(a, r, c):  # pragma: no cover - compiled
+    _merge(a, r, c, 2, 6)
+
+
+@njit(parallel=True, cache=True)
+def _merge3(a, r, c):  # pragma: no cover - compiled
+    _merge(a, r, c, 3, 5)
+
+
+@njit(parallel=True, cache=True)
+def _merge4(a, r, c):  # pragma: no cover - compiled
+    _merge(a, r, c, 4, 4)
+
+
+@njit(parallel=True, cache=True)
+def _merge5(a, r, c):  # pragma: no cover - compiled
+    _merge(a, r, c, 5, 3)
+
+
+@njit(parallel=True, cache=True)
+def _merge6(a, r, c):  # pragma: no cover - compiled
+    _merge(a, r, c, 6, 2)
+
+
+@njit(parallel=True, cache=True)
+def _unpack2(p, v):  # pragma: no cover - compiled
+    _unpack(p, v, 2)
+
+
+@njit(parallel=True, cache=True)
+def _unpack3(p, v):  # pragma: no cover - compiled
+    _unpack(p, v, 3)
+
+
+@njit(parallel=True, cache=True)
+def _unpack4(p, v):  # pragma: no cover - compiled
+    _unpack(p, v, 4)
+
+
+@njit(parallel=True, cache=True)
+def _unpack5(p, v):  # pragma: no cover - compiled
+    _unpack(p, v, 5)
+
+
+@njit(parallel=True, cache=True)
+def _unpack6(p, v):  # pragma: no cover - compiled
+    _unpack(p, v, 6)
+
+
+@njit(parallel=True, cache=True)
+def _pack4(v, p):  # pragma: no cover - compiled
+    _pack(v, p, 4)
+
+
+_SPLIT = {2: _split2, 3: _split3, 4: _split4, 5: _split5, 6: _split6}
+_MERGE = {2: _merge2, 3: _merge3, 4: _merge4, 5: _merge5, 6: _merge6}
+_UNPACK = {2: _unpack2, 3: _unpack3, 4: _unpack4, 5: _unpack5, 6: _unpack6}
+_PACK = {4: _pack4}
+
+
+def split_kernel(bits: int) -> Callable[[Any, Any, Any], None]:
+    """``k(codes, anchor, residual)``: 8-bit codes -> anchor (``bits``) and residual (``8 - bits``) words."""
+    return _SPLIT[bits]
+
+
+def merge_kernel(bits: int) -> Callable[[Any, Any, Any], None]:
+    """``k(anchor, residual, codes)``: inverse of :func:`split_kernel`."""
+    return _MERGE[bits]
+
+
+def unpack_kernel(width: int) -> Callable[[Any, Any], None]:
+    """``k(packed, values)``: ``width``-bit fields -> one value per byte."""
+    return _UNPACK[width]
+
+
+def pack_kernel(width: int) -> Callable[[Any, Any], None]:
+    """``k(values, packed)``: one value per byte -> ``width``-bit fields (width 4 only)."""
+    return _PACK[width]

@@ -1,0 +1,254 @@
+"""The hierarchical KV codec: encode a layer's K and V into stream buffers, and
+decode them from the anchor stream alone or from anchor + residual.
+
+Format (per layer, ``[kv_heads, tokens, head_dim]`` K and V):
+
+- Asymmetric uniform INT8, KIVI grouping: K per channel over groups of
+  ``k_group`` tokens, V per token over groups of ``v_group`` channels; fp16
+  scale and zero point per group (:mod:`lynx_decode.codec_quant`).
+- LYNX splits every 8-bit code ``q`` into the anchor ``q >> r`` (top ``b`` bits,
+  ``r = 8 - b``) and the residual ``q & (2**r - 1)``, each bit-packed densely
+  (:mod:`lynx_decode.codec_pack`). The anchor buffer carries the packed K and V
+  anchors and all scales/zeros; the residual buffer the packed residuals.
+- Anchor-only decoding reconstructs the centre of the missing bits; anchor +
+  residual gives exactly the INT8 codes, and a dequantized tensor bitwise equal to
+  the INT8 scheme's with the same config.
+- Baselines share the API: BF16/FP16 passthrough, INT8, and INT4 quantized
+  directly at 4 bits (same grouping). Each puts one buffer on the anchor stream.
+
+Where regions sit is described by :class:`LayerLayout` (:mod:`lynx_decode.codec_layout`).
+
+Choice of split (anchor-only relative error ``||x - x_hat|| / ||x||``, mean over
+the 30 layers of SmolLM2-135M at 2014 prompt tokens, fp32, groups 64/64; measured
+by ``pytest -m "bench and model" tests/bench/test_codec_bench.py -s``)::
+
+    b  split           anchor K   anchor V   full INT8 K / V
+    4  MSB (centre)    4.25 %     10.20 %    0.255 % / 0.613 %
+    4  MSB (1<<(r-1))  4.27 %     10.26 %
+    4  ROUNDED         4.36 %     10.47 %    0.271 % / 0.651 %
+    3  MSB (centre)    8.51 %     20.46 %
+    3  ROUNDED         9.31 %     22.35 %
+    2  MSB (centre)   16.97 %     40.90 %
+    2  ROUNDED        21.99 %     52.09 %
+    6  MSB (centre)    1.05 %      2.51 %
+    6  ROUNDED         1.13 %      2.70 %
+
+MSB with centre reconstruction wins at every b (and keeps the plain full-range
+INT8 grid), so it is the default; ``Split.ROUNDED`` (QuantSpec-style) stays
+selectable for the speculative-decoding comparison.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lynx_decode import codec_quant as qt
+from lynx_decode.codec_backends import Ops, padded, select
+from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Stream
+from lynx_decode.codec_inputs import as_byte_buffer, as_f32, as_output, as_tensor
+from lynx_decode.codec_layout import DType, LayerLayout
+from lynx_transport.errors import CodecError
+
+__all__ = ["EncodedLayer", "encode_layer", "decode_layer", "int8_codes"]
+
+
+@dataclass(frozen=True)
+class EncodedLayer:
+    """One encoded layer: a contiguous uint8 buffer per stream, and its layout."""
+
+    layout: LayerLayout
+    buffers: Mapping[Stream, Any]
+
+    def wire_bytes(self, stream: Stream | None = None) -> int:
+        """Bytes on ``stream`` (all streams when None)."""
+        if stream is None:
+            return sum(self.layout.stream_size(s) for s in self.layout.streams)
+        return self.layout.stream_size(stream)
+
+
+def _view(buf: Any, layout: LayerLayout, name: str, xp: Any) -> Any:
+    r = layout.region(name)
+    raw = buf[r.offset : r.offset + r.size]
+    if r.dtype is DType.UINT8:
+        return raw
+    return raw.view(xp.uint16 if r.dtype is DType.BFLOAT16 else xp.float16).reshape(r.shape)
+
+
+def _levels(scheme: Scheme) -> int:
+    return 15 if scheme is Scheme.INT4 else 255
+
+
+def encode_layer(k: Any, v: Any, config: CodecConfig = CodecConfig(), *, backend: Backend = Backend.AUTO) -> EncodedLayer:
+    """Encode one layer's K and V (``[kv_heads, tokens, head_dim]``, fp32/fp16/bf16,
+    NumPy/CuPy arrays or torch tensors). Buffers are of the inputs' array module.
+
+    Raises :class:`CodecError` for bad inputs (non-contiguous, unsupported dtype,
+    mismatched shapes, non-finite values) and :class:`BackendError` when the
+    requested backend is unavailable.
+    """
+    if not isinstance(config, CodecConfig):
+        raise CodecError(f"config must be a CodecConfig, got {type(config).__name__}")
+    tk, tv = as_tensor(k, "K"), as_tensor(v, "V")
+    if tk.shape != tv.shape:
+        raise CodecError(f"K and V shapes differ: {tk.shape} vs {tv.shape}")
+    if tk.xp is not tv.xp:
+        raise CodecError("K and V must both be host arrays or both be CuPy arrays")
+    xp = tk.xp
+    ops = select(backend, xp)
+    layout = LayerLayout.build(config, *tk.shape)
+    buffers = {s: xp.zeros(layout.stream_size(s), dtype=xp.uint8) for s in layout.streams}
+    anchor = buffers[Stream.ANCHOR]
+    for name, t in (("k", tk), ("v", tv)):
+        x = as_f32(t)
+        if config.scheme is Scheme.BF16:
+            data = t.data if t.bf16 else qt.f32_to_bf16_bits(x, xp)
+            _view(anchor, layout, f"{name}_data", xp)[...] = data
+            continue
+        if config.scheme is Scheme.FP16:
+            with np.errstate(over="ignore"):
+                half = x.astype(xp.float16)
+            if not bool((xp.isfinite(half) == xp.isfinite(x)).all()):
+                raise CodecError(f"{name.upper()} has values outside the fp16 range (|x| > 65504); use Scheme.BF16")
+            _view(anchor, layout, f"{name}_data", xp)[...] = half
+            continue
+        _encode_quantized(ops, x, name, config, layout, buffers)
+    return EncodedLayer(layout, types.MappingProxyType(buffers))
+
+
+def _encode_quantized(ops: Ops, x: Any, name: str, config: CodecConfig, layout: LayerLayout, buffers: dict[Stream, Any]) -> None:
+    xp = ops.xp
+    group = config.k_group if name == "k" else config.v_group
+    levels = _levels(config.scheme)
+    lo, hi = ops.minmax(x, group, name, name.upper())
+    scale, zero = qt.group_params(lo, hi, levels, config.split, config.bits, xp, name.upper())
+    anchor = buffers[Stream.ANCHOR]
+    _view(anchor, layout, f"{name}_scale", xp)[...] = scale
+    _view(anchor, layout, f"{name}_zero", xp)[...] = zero
+    n = x.size
+    if config.scheme is Scheme.INT8:
+        codes = _view(anchor, layout, f"{name}_data", xp).reshape(x.shape)
+        ops.quantize(x, qt.inverse(scale, xp), zero.astype(xp.float32), group, name, levels, codes)
+        return
+    codes = xp.zeros(padded(n), dtype=xp.uint8)
+    ops.quantize(x, qt.inverse(scale, xp), zero.astype(xp.float32), group, name, levels, codes[:n].reshape(x.shape))
+    if config.scheme is Scheme.INT4:
+        ops.pack(codes, 4, _view(anchor, layout, f"{name}_data", xp))
+    else:
+        residual = _view(buffers[Stream.RESIDUAL], layout, f"{name}_residual", xp)
+        ops.split(codes, config.bits, _view(anchor, layout, f"{name}_data", xp), residual)
+
+
+def _inputs(layout: Any, anchor: Any, residual: Any, backend: Backend) -> tuple[Ops, Any, Any]:
+    if not isinstance(layout, LayerLayout):
+        raise CodecError(f"layout must be a LayerLayout, got {type(layout).__name__}")
+    layout.validate()
+    xp = np if type(anchor).__module__.split(".")[0] != "cupy" else select(Backend.CUPY, _cupy_module()).xp
+    ops = select(backend, xp)
+    a = as_byte_buffer(anchor, "anchor buffer", layout.stream_size(Stream.ANCHOR), xp)
+    r = None
+    if residual is not None:
+        if layout.scheme is not Scheme.LYNX:
+            raise CodecError(f"a {layout.scheme.value} layer has no residual stream; pass residual=None")
+        r = as_byte_buffer(residual, "residual buffer", layout.stream_size(Stream.RESIDUAL), xp)
+    return ops, a, r
+
+
+def _cupy_module() -> Any:
+    import cupy  # noqa: PLC0415 - only reached with a CuPy buffer in hand
+
+    return cupy
+
+
+def _codes(ops: Ops, layout: LayerLayout, a: Any, r: Any, name: str) -> tuple[Any, int, float]:
+    """(values [H,T,D] uint8, shift, offset) such that code = values * 2**shift + offset."""
+    xp = ops.xp
+    n = layout.kv_heads * layout.tokens * layout.head_dim
+    if layout.scheme is Scheme.INT8:
+        return _view(a, layout, f"{name}_data", xp).reshape(layout.shape), 0, 0.0
+    values = xp.empty(padded(n), dtype=xp.uint8)
+    data = _view(a, layout, f"{name}_data", xp)
+    if layout.scheme is Scheme.INT4:
+        ops.unpack(data, 4, values)
+        shift, offset = 0, 0.0
+    elif r is None:
+        ops.unpack(data, layout.bits, values)
+        shift, offset = 8 - layout.bits, qt.anchor_offset(layout.split, layout.bits)
+    else:
+        ops.merge(data, _view(r, layout, f"{name}_residual", xp), layout.bits, values)
+        shift, offset = 0, 0.0
+    return values[:n].reshape(layout.shape), shift, offset
+
+
+def decode_layer(
+    layout: LayerLayout,
+    anchor: Any,
+    residual: Any = None,
+    *,
+    out_k: Any = None,
+    out_v: Any = None,
+    dtype: Any = None,
+    backend: Backend = Backend.AUTO,
+) -> tuple[Any, Any]:
+    """Decode one layer to (K, V) ``[kv_heads, tokens, head_dim]``.
+
+    ``anchor`` (and ``residual``) are the layer's stream buffers: uint8 NumPy/CuPy
+    arrays or bytes-like objects, at least ``layout.stream_size`` long. With
+    ``residual=None`` a LYNX layer is reconstructed from its anchors alone; with it,
+    exactly as the INT8 scheme. Results are written into ``out_k``/``out_v`` when
+    given (fp32/fp16 arrays or torch tensors of the right shape, filled in place and
+    returned); otherwise new arrays of ``dtype`` (float32 by default, or float16).
+    """
+    ops, a, r = _inputs(layout, anchor, residual, backend)
+    xp = ops.xp
+    results = []
+    for name, out in (("k", out_k), ("v", out_v)):
+        if out is None:
+            want = np.dtype(np.float32 if dtype is None else dtype)
+            if want not in (np.float32, np.float16):
+                raise CodecError(f"dtype must be float32 or float16, got {want}")
+            out = xp.empty(layout.shape, dtype=want)
+        else:
+            out = as_output(out, f"out_{name}", layout.shape, xp)
+            if dtype is not None and np.dtype(dtype) != out.dtype:
+                raise CodecError(f"dtype={np.dtype(dtype)} disagrees with out_{name}.dtype={out.dtype}")
+        target = out if out.dtype == np.float32 else xp.empty(layout.shape, dtype=xp.float32)
+        _decode_one(ops, layout, a, r, name, target)
+        if target is not out:
+            out[...] = target.astype(out.dtype)
+        results.append(out)
+    return results[0], results[1]
+
+
+def _decode_one(ops: Ops, layout: LayerLayout, a: Any, r: Any, name: str, out: Any) -> None:
+    xp = ops.xp
+    if layout.scheme is Scheme.BF16:
+        out[...] = qt.bf16_bits_to_f32(_view(a, layout, f"{name}_data", xp), xp)
+        return
+    if layout.scheme is Scheme.FP16:
+        out[...] = _view(a, layout, f"{name}_data", xp)
+        return
+    values, shift, offset = _codes(ops, layout, a, r, name)
+    scale = _view(a, layout, f"{name}_scale", xp).astype(xp.float32)
+    zero = _view(a, layout, f"{name}_zero", xp).astype(xp.float32)
+    group = layout.k_group if name == "k" else layout.v_group
+    ops.dequant(values, shift, offset, scale, zero, group, name, out)
+
+
+def int8_codes(layout: LayerLayout, anchor: Any, residual: Any = None, *, backend: Backend = Backend.AUTO) -> tuple[Any, Any]:
+    """The 8-bit codes (K, V) ``[kv_heads, tokens, head_dim]`` uint8 of an INT8 layer
+    (anchor only) or a LYNX layer (anchor + residual, exactly)."""
+    if isinstance(layout, LayerLayout) and layout.scheme not in (Scheme.INT8, Scheme.LYNX):
+        raise CodecError(f"a {layout.scheme.value} layer has no 8-bit codes")
+    if isinstance(layout, LayerLayout) and layout.scheme is Scheme.LYNX and residual is None:
+        raise CodecError("the 8-bit codes of a LYNX layer need the residual buffer")
+    ops, a, r = _inputs(layout, anchor, residual, backend)
+    out = []
+    for name in ("k", "v"):
+        values, _shift, _offset = _codes(ops, layout, a, r, name)
+        out.append(values.copy())
+    return out[0], out[1]

@@ -1,0 +1,380 @@
+"""The layout descriptor: where every region of every layer sits in the streams.
+
+A :class:`CacheLayout` is what the prefill node sends ahead of the bytes (the
+transport carries it in its manifest) so the decode node can register receive
+memory and decode each layer as it lands. It is versioned, serialises to compact
+JSON (:meth:`CacheLayout.to_bytes`), and :meth:`CacheLayout.from_bytes` accepts
+only descriptors that are exactly consistent: every region must be where
+:meth:`LayerLayout.build` would put it for the layer's scheme, bits, shapes and
+group sizes. Anything else raises :class:`LayoutError` naming the problem.
+
+Per layer, each stream carries one contiguous buffer; inside it regions start at
+multiples of :data:`ALIGN` bytes (zero padding between). In the cache, layer
+``i``'s buffer on a stream starts at ``offsets[i][stream]``, also aligned.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from lynx_decode.codec_pack import packed_size
+from lynx_decode.codec_config import MAX_BITS, MIN_BITS, CodecConfig, Scheme, Split, Stream
+from lynx_transport.errors import CodecError, LayoutError
+
+__all__ = ["DType", "Region", "LayerLayout", "CacheLayout", "FORMAT_VERSION", "ALIGN", "MAX_DESCRIPTOR_BYTES"]
+
+FORMAT_VERSION = 1
+FORMAT_NAME = "lynx-kv-layout"
+ALIGN = 64
+MAX_DESCRIPTOR_BYTES = 4 << 20
+MAX_LAYERS = 4096
+MAX_HEADS = 1024
+MAX_TOKENS = 1 << 22
+MAX_HEAD_DIM = 4096
+MAX_STREAM_BYTES = 1 << 40
+
+
+class DType(enum.Enum):
+    """Element type of a region."""
+
+    UINT8 = "uint8"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def itemsize(self) -> int:
+        return 1 if self is DType.UINT8 else 2
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Region:
+    """A named byte range of one layer's buffer on one stream.
+
+    ``bits`` is the width of each value: 16 for float regions, 8 for plain INT8
+    codes, the packed width for bit-packed regions (whose ``shape`` is their byte
+    count).
+    """
+
+    name: str
+    stream: Stream
+    offset: int
+    size: int
+    dtype: DType
+    shape: tuple[int, ...]
+    bits: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "stream": self.stream.value,
+            "offset": self.offset,
+            "size": self.size,
+            "dtype": self.dtype.value,
+            "shape": list(self.shape),
+            "bits": self.bits,
+        }
+
+
+def _regions(scheme: Scheme, bits: int, heads: int, tokens: int, dim: int, k_group: int, v_group: int) -> tuple[Region, ...]:
+    n = heads * tokens * dim
+    specs: list[tuple[str, Stream, DType, tuple[int, ...], int, int]] = []  # name, stream, dtype, shape, bits, size
+
+    def packed(name: str, stream: Stream, width: int) -> None:
+        size = packed_size(n, width)
+        specs.append((name, stream, DType.UINT8, (size,), width, size))
+
+    if scheme in (Scheme.BF16, Scheme.FP16):
+        dtype = DType.BFLOAT16 if scheme is Scheme.BF16 else DType.FLOAT16
+        for name in ("k_data", "v_data"):
+            specs.append((name, Stream.ANCHOR, dtype, (heads, tokens, dim), 16, 2 * n))
+    else:
+        if scheme is Scheme.INT8:
+            for name in ("k_data", "v_data"):
+                specs.append((name, Stream.ANCHOR, DType.UINT8, (heads, tokens, dim), 8, n))
+        else:
+            width = 4 if scheme is Scheme.INT4 else bits
+            packed("k_data", Stream.ANCHOR, width)
+            packed("v_data", Stream.ANCHOR, width)
+        k_shape = (heads, -(-tokens // k_group), dim)
+        v_shape = (heads, tokens, -(-dim // v_group))
+        for name, shape in (("k_scale", k_shape), ("k_zero", k_shape), ("v_scale", v_shape), ("v_zero", v_shape)):
+            specs.append((name, Stream.ANCHOR, DType.FLOAT16, shape, 16, 2 * shape[0] * shape[1] * shape[2]))
+        if scheme is Scheme.LYNX:
+            packed("k_residual", Stream.RESIDUAL, 8 - bits)
+            packed("v_residual", Stream.RESIDUAL, 8 - bits)
+    cursor = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+    out = []
+    for name, stream, dtype, shape, width, size in specs:
+        offset = _align(cursor[stream])
+        out.append(Region(name, stream, offset, size, dtype, shape, width))
+        cursor[stream] = offset + size
+    return tuple(out)
+
+
+def _int(value: Any, what: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{what} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise LayoutError(f"{what}={value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _enum(cls: Any, value: Any, what: str) -> Any:
+    try:
+        return value if isinstance(value, cls) else cls(value)
+    except ValueError:
+        raise LayoutError(f"unknown {what} {value!r}; expected one of {[m.value for m in cls]}") from None
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One layer: its scheme, shapes and the regions of its buffers."""
+
+    scheme: Scheme
+    bits: int
+    split: Split
+    kv_heads: int
+    tokens: int
+    head_dim: int
+    k_group: int
+    v_group: int
+    regions: tuple[Region, ...]
+
+    @classmethod
+    def build(cls, config: CodecConfig, kv_heads: int, tokens: int, head_dim: int) -> LayerLayout:
+        """The layout of a ``[kv_heads, tokens, head_dim]`` layer encoded with ``config``."""
+        _int(kv_heads, "kv_heads", 1, MAX_HEADS)
+        _int(tokens, "tokens", 1, MAX_TOKENS)
+        _int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
+        regions = _regions(config.scheme, config.bits, kv_heads, tokens, head_dim, config.k_group, config.v_group)
+        return cls(config.scheme, config.bits, config.split, kv_heads, tokens, head_dim, config.k_group, config.v_group, regions)
+
+    @property
+    def config(self) -> CodecConfig:
+        return CodecConfig(self.scheme, self.bits, self.k_group, self.v_group, self.split)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.kv_heads, self.tokens, self.head_dim)
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        """The streams this layer has a buffer on (ANCHOR first)."""
+        return tuple(s for s in Stream if any(r.stream is s for r in self.regions))
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise LayoutError(f"layer has no region {name!r} (scheme {self.scheme.value})")
+
+    def stream_size(self, stream: Stream) -> int:
+        """Bytes of this layer's buffer on ``stream`` (0 when it has none)."""
+        return max((r.offset + r.size for r in self.regions if r.stream is stream), default=0)
+
+    def validate(self) -> None:
+        """Raise :class:`LayoutError` unless this layout is exactly what :meth:`build` gives."""
+        _enum(Scheme, self.scheme, "scheme")
+        _enum(Split, self.split, "split")
+        _int(self.bits, "bits", MIN_BITS, MAX_BITS)
+        for name in ("k_group", "v_group"):
+            _int(getattr(self, name), name, 1, 1 << 16)
+        try:
+            expected = LayerLayout.build(self.config, self.kv_heads, self.tokens, self.head_dim)
+        except CodecError as exc:
+            raise LayoutError(str(exc)) from None
+        if len(self.regions) != len(expected.regions):
+            raise LayoutError(f"{self.scheme.value} layer needs {len(expected.regions)} regions, descriptor has {len(self.regions)}")
+        for got, want in zip(self.regions, expected.regions):
+            if got != want:
+                diff = [f for f in ("name", "stream", "offset", "size", "dtype", "shape", "bits") if getattr(got, f) != getattr(want, f)]
+                raise LayoutError(
+                    f"region {got.name!r} is inconsistent with a {self.scheme.value} layer of shape {self.shape}, "
+                    f"bits={self.bits}, groups=({self.k_group}, {self.v_group}): bad {', '.join(diff)} "
+                    f"(got {[getattr(got, f) for f in diff]}, expected {[getattr(want, f) for f in diff]})"
+                )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scheme": self.scheme.value,
+            "bits": self.bits,
+            "split": self.split.value,
+            "kv_heads": self.kv_heads,
+            "tokens": self.tokens,
+            "head_dim": self.head_dim,
+            "k_group": self.k_group,
+            "v_group": self.v_group,
+            "regions": [r.to_json() for r in self.regions],
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> LayerLayout:
+        """Parse and validate one layer (``LayoutError`` on anything inconsistent)."""
+        d = _fields(obj, "layer", ("scheme", "bits", "split", "kv_heads", "tokens", "head_dim", "k_group", "v_group", "regions"))
+        raw = d["regions"]
+        if not isinstance(raw, list) or len(raw) > 16:
+            raise LayoutError("layer regions must be a list of at most 16 regions")
+        regions = []
+        for item in raw:
+            r = _fields(item, "region", ("name", "stream", "offset", "size", "dtype", "shape", "bits"))
+            if not isinstance(r["name"], str) or len(r["name"]) > 64:
+                raise LayoutError(f"region name must be a short string, got {r['name']!r}")
+            shape = r["shape"]
+            if not isinstance(shape, list) or not 1 <= len(shape) <= 3:
+                raise LayoutError(f"region {r['name']!r} shape must be a list of 1..3 ints, got {shape!r}")
+            regions.append(
+                Region(
+                    r["name"],
+                    _enum(Stream, r["stream"], "stream"),
+                    _int(r["offset"], f"region {r['name']!r} offset", 0, MAX_STREAM_BYTES),
+                    _int(r["size"], f"region {r['name']!r} size", 0, MAX_STREAM_BYTES),
+                    _enum(DType, r["dtype"], "dtype"),
+                    tuple(_int(s, f"region {r['name']!r} shape", 0, MAX_STREAM_BYTES) for s in shape),
+                    _int(r["bits"], f"region {r['name']!r} bits", 1, 16),
+                )
+            )
+        layer = cls(
+            _enum(Scheme, d["scheme"], "scheme"),
+            _int(d["bits"], "bits", MIN_BITS, MAX_BITS),
+            _enum(Split, d["split"], "split"),
+            _int(d["kv_heads"], "kv_heads", 1, MAX_HEADS),
+            _int(d["tokens"], "tokens", 1, MAX_TOKENS),
+            _int(d["head_dim"], "head_dim", 1, MAX_HEAD_DIM),
+            _int(d["k_group"], "k_group", 1, 1 << 16),
+            _int(d["v_group"], "v_group", 1, 1 << 16),
+            tuple(regions),
+        )
+        layer.validate()
+        return layer
+
+
+def _fields(obj: Any, what: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise LayoutError(f"{what} must be a JSON object, got {type(obj).__name__}")
+    missing = [k for k in keys if k not in obj]
+    extra = [k for k in obj if k not in keys]
+    if missing or extra:
+        raise LayoutError(f"{what} has missing fields {missing} / unknown fields {extra}")
+    return obj
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """All layers of a cache, and where each layer's buffer sits in each stream."""
+
+    layers: tuple[LayerLayout, ...]
+    offsets: tuple[tuple[tuple[Stream, int], ...], ...] = field(default=())
+    version: int = FORMAT_VERSION
+
+    @classmethod
+    def of(cls, layers: Any) -> CacheLayout:
+        """Place ``layers`` one after another in each stream (aligned)."""
+        layers = tuple(layers)
+        cursor = {s: 0 for s in Stream}
+        offsets = []
+        for layer in layers:
+            placed = []
+            for stream in layer.streams:
+                placed.append((stream, cursor[stream]))
+                cursor[stream] = _align(cursor[stream] + layer.stream_size(stream))
+            offsets.append(tuple(placed))
+        out = cls(layers, tuple(offsets))
+        out.validate()
+        return out
+
+    def offset(self, layer: int, stream: Stream) -> int:
+        """Byte offset of layer ``layer``'s buffer in the cache's ``stream``."""
+        for s, off in self.offsets[layer]:
+            if s is stream:
+                return off
+        raise LayoutError(f"layer {layer} has no buffer on stream {stream.value}")
+
+    def stream_size(self, stream: Stream) -> int:
+        """Total bytes of the cache on ``stream``."""
+        return max(
+            (off + layer.stream_size(s) for layer, offs in zip(self.layers, self.offsets) for s, off in offs if s is stream),
+            default=0,
+        )
+
+    def validate(self) -> None:
+        """Raise :class:`LayoutError` on a wrong version or misplaced/overlapping layers."""
+        if self.version != FORMAT_VERSION:
+            raise LayoutError(f"layout version {self.version!r} is not supported (this build reads version {FORMAT_VERSION})")
+        if not 1 <= len(self.layers) <= MAX_LAYERS:
+            raise LayoutError(f"a cache needs 1..{MAX_LAYERS} layers, got {len(self.layers)}")
+        if len(self.offsets) != len(self.layers):
+            raise LayoutError(f"{len(self.offsets)} offset entries for {len(self.layers)} layers")
+        spans: dict[Stream, list[tuple[int, int, int]]] = {s: [] for s in Stream}
+        for i, (layer, offs) in enumerate(zip(self.layers, self.offsets)):
+            layer.validate()
+            streams = tuple(s for s, _ in offs)
+            if streams != layer.streams:
+                raise LayoutError(f"layer {i} has buffers on {[s.value for s in layer.streams]} but offsets for {[s.value for s in streams]}")
+            for stream, off in offs:
+                _int(off, f"layer {i} {stream.value} offset", 0, MAX_STREAM_BYTES)
+                if off % ALIGN:
+                    raise LayoutError(f"layer {i} {stream.value} offset {off} is not a multiple of {ALIGN}")
+                spans[stream].append((off, off + layer.stream_size(stream), i))
+        for stream, items in spans.items():
+            items.sort()
+            for (a0, a1, ia), (b0, _b1, ib) in zip(items, items[1:]):
+                if b0 < a1:
+                    raise LayoutError(f"layers {ia} and {ib} overlap on stream {stream.value} ([{a0}, {a1}) and offset {b0})")
+            if items and items[-1][1] > MAX_STREAM_BYTES:
+                raise LayoutError(f"stream {stream.value} would be {items[-1][1]} bytes, more than the {MAX_STREAM_BYTES} allowed")
+
+    def to_bytes(self) -> bytes:
+        obj = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "layers": [
+                {**layer.to_json(), "offsets": {s.value: off for s, off in offs}} for layer, offs in zip(self.layers, self.offsets)
+            ],
+        }
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, max_bytes: int = MAX_DESCRIPTOR_BYTES) -> CacheLayout:
+        """Parse and validate a descriptor; :class:`LayoutError` on anything inconsistent."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise LayoutError(f"layout descriptor must be bytes, got {type(data).__name__}")
+        if len(data) > max_bytes:
+            raise LayoutError(f"layout descriptor is {len(data)} bytes, more than the {max_bytes} allowed")
+        try:
+            obj = json.loads(bytes(data).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise LayoutError(f"layout descriptor is not valid JSON: {exc}") from None
+        d = _fields(obj, "layout", ("format", "version", "layers"))
+        if d["format"] != FORMAT_NAME:
+            raise LayoutError(f"not a Lynx layout descriptor (format {d['format']!r})")
+        version = d["version"]
+        if isinstance(version, bool) or version != FORMAT_VERSION:
+            raise LayoutError(f"layout version {version!r} is not supported (this build reads version {FORMAT_VERSION})")
+        if not isinstance(d["layers"], list) or not 1 <= len(d["layers"]) <= MAX_LAYERS:
+            raise LayoutError(f"layout layers must be a list of 1..{MAX_LAYERS} layers")
+        layers, offsets = [], []
+        for i, item in enumerate(d["layers"]):
+            if not isinstance(item, dict) or "offsets" not in item:
+                raise LayoutError(f"layer {i} must be an object with offsets")
+            item = dict(item)
+            offs = item.pop("offsets")
+            try:
+                layer = LayerLayout.from_json(item)
+            except LayoutError as exc:
+                raise LayoutError(f"layer {i}: {exc}") from None
+            if not isinstance(offs, dict):
+                raise LayoutError(f"layer {i} offsets must be an object")
+            placed = [(_enum(Stream, k, "stream"), v) for k, v in offs.items()]
+            placed.sort(key=lambda p: list(Stream).index(p[0]))
+            layers.append(layer)
+            offsets.append(tuple(placed))
+        out = cls(tuple(layers), tuple(offsets), version)
+        out.validate()
+        return out

@@ -1,0 +1,197 @@
+"""The codec's public API: streams and wire sizes per scheme, decoding into
+caller-provided outputs, torch inputs, backend choice, and clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import lynx_decode
+from lynx_decode import Backend, CodecConfig, LayerLayout, Scheme, Stream, decode_layer, encode_layer
+from lynx_decode.codec import int8_codes
+from lynx_transport.errors import BackendError, CodecError, LayoutError
+
+H, T, D = 3, 130, 64
+
+
+@pytest.fixture(scope="module")
+def kv() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return rng.standard_normal((H, T, D)).astype(np.float32), rng.standard_normal((H, T, D)).astype(np.float32)
+
+
+N = H * T * D  # 24,960 values per tensor, a whole number of 64-value blocks
+PARAMS = 2 * 2 * (H * -(-T // 64) * D + H * T)  # fp16 scale + zero for K [H, 3, D] and V [H, T, 1]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "anchor_payload", "residual_payload"),
+    [
+        (Scheme.BF16, 2 * 2 * N, 0),
+        (Scheme.FP16, 2 * 2 * N, 0),
+        (Scheme.INT8, 2 * N + PARAMS, 0),
+        (Scheme.INT4, 2 * N // 2 + PARAMS, 0),
+        (Scheme.LYNX, 2 * N // 2 + PARAMS, 2 * N // 2),
+    ],
+)
+def test_streams_and_wire_sizes(kv, scheme: Scheme, anchor_payload: int, residual_payload: int) -> None:
+    enc = encode_layer(*kv, CodecConfig(scheme))
+    assert set(enc.buffers) == ({Stream.ANCHOR, Stream.RESIDUAL} if scheme is Scheme.LYNX else {Stream.ANCHOR})
+    for stream, buf in enc.buffers.items():
+        assert buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous
+        assert buf.size == enc.wire_bytes(stream) == enc.layout.stream_size(stream)
+        payload = anchor_payload if stream is Stream.ANCHOR else residual_payload
+        regions = [r for r in enc.layout.regions if r.stream is stream]
+        assert sum(r.size for r in regions) == payload
+        assert payload <= enc.wire_bytes(stream) < payload + 64 * len(regions)  # alignment padding only
+    assert enc.wire_bytes() == sum(buf.size for buf in enc.buffers.values())
+
+
+def test_anchor_stream_is_about_half_of_int8(kv) -> None:
+    lynx = encode_layer(*kv, CodecConfig(bits=4))
+    int8 = encode_layer(*kv, CodecConfig(Scheme.INT8))
+    int4 = encode_layer(*kv, CodecConfig(Scheme.INT4))
+    assert lynx.wire_bytes(Stream.ANCHOR) == int4.wire_bytes(Stream.ANCHOR)
+    assert lynx.wire_bytes() == int8.wire_bytes()
+
+
+@pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.NUMBA])
+def test_decode_into_out_arrays_and_torch_tensors(kv, backend: Backend) -> None:
+    enc = encode_layer(*kv, backend=backend)
+    a, r = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+    want_k, want_v = decode_layer(enc.layout, a, r, backend=backend)
+    out_k = np.empty((H, T, D), np.float32)
+    out_v = np.empty((H, T, D), np.float32)
+    got_k, got_v = decode_layer(enc.layout, a, r, out_k=out_k, out_v=out_v, backend=backend)
+    assert got_k is out_k and got_v is out_v
+    np.testing.assert_array_equal(out_k, want_k)
+    cache = torch.zeros((1, H, T, D), dtype=torch.float32)  # a model cache slab [batch, heads, T, D]
+    decode_layer(enc.layout, bytes(a), bytes(r), out_k=cache[0], out_v=torch.zeros(H, T, D, dtype=torch.float16), backend=backend)
+    np.testing.assert_array_equal(cache[0].numpy(), want_k)
+    half_k, _ = decode_layer(enc.layout, a, r, dtype=np.float16, backend=backend)
+    assert half_k.dtype == np.float16
+    np.testing.assert_array_equal(half_k, want_k.astype(np.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_torch_inputs_match_numpy(kv, dtype) -> None:
+    k, v = (torch.from_numpy(x).to(dtype) for x in kv)
+    enc = encode_layer(k, v, backend=Backend.NUMPY)
+    ref = encode_layer(k.float().numpy(), v.float().numpy(), backend=Backend.NUMPY)
+    for stream in enc.buffers:
+        np.testing.assert_array_equal(enc.buffers[stream], ref.buffers[stream])
+
+
+def test_bf16_passthrough_is_lossless_for_bf16_input(kv) -> None:
+    k, v = (torch.from_numpy(x).to(torch.bfloat16) for x in kv)
+    enc = encode_layer(k, v, CodecConfig(Scheme.BF16))
+    got_k, _ = decode_layer(enc.layout, enc.buffers[Stream.ANCHOR])
+    np.testing.assert_array_equal(got_k, k.float().numpy())
+
+
+def test_auto_picks_numba_for_numpy_and_refuses_bad_requests(kv) -> None:
+    from lynx_decode.codec_backends import NumbaOps, select
+
+    assert isinstance(select(Backend.AUTO, np), NumbaOps)
+    with pytest.raises(BackendError):  # no GPU here (or no CuPy): an explicit request must fail loudly
+        encode_layer(*kv, backend=Backend.CUPY)
+    with pytest.raises(CodecError, match="Backend"):
+        encode_layer(*kv, backend="numba")
+
+
+def test_int8_codes_only_for_int8_and_lynx(kv) -> None:
+    enc = encode_layer(*kv, CodecConfig(Scheme.INT4))
+    with pytest.raises(CodecError, match="no 8-bit codes"):
+        int8_codes(enc.layout, enc.buffers[Stream.ANCHOR])
+    lynx = encode_layer(*kv)
+    with pytest.raises(CodecError, match="residual"):
+        int8_codes(lynx.layout, lynx.buffers[Stream.ANCHOR])
+    k8, v8 = int8_codes(lynx.layout, lynx.buffers[Stream.ANCHOR], lynx.buffers[Stream.RESIDUAL])
+    assert k8.dtype == np.uint8 and k8.shape == (H, T, D)
+
+
+# ---- bad input: each names the problem ------------------------------------
+
+
+def test_non_contiguous_inputs(kv) -> None:
+    k, v = kv
+    with pytest.raises(CodecError, match="K is not C-contiguous"):
+        encode_layer(k.transpose(0, 2, 1).copy().transpose(0, 2, 1), v)
+    with pytest.raises(CodecError, match="V is not contiguous"):
+        encode_layer(torch.from_numpy(k), torch.from_numpy(v).transpose(1, 2).contiguous().transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int8, np.uint8, np.complex64])
+def test_unsupported_dtype(kv, dtype) -> None:
+    with pytest.raises(CodecError, match="unsupported dtype"):
+        encode_layer(kv[0].astype(dtype), kv[1])
+    with pytest.raises(CodecError, match="unsupported dtype"):
+        encode_layer(torch.zeros((1, 2, 3), dtype=torch.float64), torch.zeros((1, 2, 3), dtype=torch.float64))
+
+
+def test_mismatched_shapes_and_bad_rank(kv) -> None:
+    with pytest.raises(CodecError, match="shapes differ"):
+        encode_layer(kv[0], kv[1][:, :-1].copy())
+    with pytest.raises(CodecError, match=r"\[kv_heads, tokens, head_dim\]"):
+        encode_layer(kv[0][None], kv[1][None])
+    with pytest.raises(CodecError, match="empty"):
+        encode_layer(np.zeros((3, 0, 64), np.float32), np.zeros((3, 0, 64), np.float32))
+    with pytest.raises(CodecError, match="NumPy or CuPy array"):
+        encode_layer([[[1.0]]], [[[1.0]]])
+
+
+@pytest.mark.parametrize("bits", [0, 1, 7, 8, -3, True, 4.0])
+def test_bits_out_of_range(bits) -> None:
+    with pytest.raises(CodecError, match="bits"):
+        CodecConfig(bits=bits)
+
+
+@pytest.mark.parametrize("field", ["k_group", "v_group"])
+def test_bad_group(field) -> None:
+    with pytest.raises(CodecError, match=field):
+        CodecConfig(**{field: 0})
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -1e6])
+@pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.NUMBA])
+def test_non_finite_or_out_of_fp16_range(kv, bad, backend) -> None:
+    # the zero point (group minimum) must be an fp16 number
+    k = kv[0].copy()
+    k[1, 5, 7] = bad
+    with pytest.raises(CodecError, match="K contains non-finite|fp16 range"):
+        encode_layer(k, kv[1], backend=backend)
+
+
+def test_fp16_passthrough_refuses_overflow(kv) -> None:
+    v = kv[1].copy()
+    v[0, 0, 0] = 1e6
+    with pytest.raises(CodecError, match="V has values outside the fp16 range"):
+        encode_layer(kv[0], v, CodecConfig(Scheme.FP16))
+    encode_layer(kv[0], v, CodecConfig(Scheme.BF16))  # bf16 has the range
+
+
+def test_decode_rejects_bad_buffers_and_outputs(kv) -> None:
+    enc = encode_layer(*kv)
+    a, r = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+    with pytest.raises(CodecError, match="holds"):
+        decode_layer(enc.layout, a[:-1], r)
+    with pytest.raises(CodecError, match="1-D uint8"):
+        decode_layer(enc.layout, a.view(np.uint16), r)
+    with pytest.raises(CodecError, match="shape"):
+        decode_layer(enc.layout, a, r, out_k=np.empty((H, T, D + 1), np.float32))
+    with pytest.raises(CodecError, match="float32 or float16"):
+        decode_layer(enc.layout, a, r, out_k=np.empty((H, T, D), np.float64))
+    with pytest.raises(CodecError, match="writable"):
+        decode_layer(enc.layout, a, r, out_k=np.empty((H, D, T), np.float32).transpose(0, 2, 1))
+    with pytest.raises(CodecError, match="dtype"):
+        decode_layer(enc.layout, a, r, dtype=np.int32)
+    int8 = encode_layer(*kv, CodecConfig(Scheme.INT8))
+    with pytest.raises(CodecError, match="no residual"):
+        decode_layer(int8.layout, int8.buffers[Stream.ANCHOR], r)
+    with pytest.raises(LayoutError):
+        decode_layer(LayerLayout(Scheme.LYNX, 4, enc.layout.split, H, T, D, 64, 64, enc.layout.regions[:-1]), a, r)
+
+
+def test_public_namespace() -> None:
+    assert {"encode_layer", "decode_layer", "CodecConfig", "Scheme", "CacheLayout"} <= set(lynx_decode.__all__)
