@@ -6,14 +6,27 @@
 // byte lane); a block of w-bit fields is w words, where lane k of the 8 words
 // forms S_k = sum_i v[i][k] << (i*w) and byte k of packed word m is byte m of S_k.
 // fp32 arithmetic uses explicit _rn intrinsics so nothing is contracted into FMA.
+//
+// The per-block and per-element bodies are __host__ __device__ so that the test
+// suite can also run them on the CPU (tests/unit/test_kernels_cuda_host.py).
 
 typedef unsigned long long u64;
 typedef unsigned char u8;
 
 #define LYNX_REP 0x0101010101010101ULL
 
+#ifdef __CUDA_ARCH__
+#define LYNX_SUB(a, b) __fsub_rn((a), (b))
+#define LYNX_MUL(a, b) __fmul_rn((a), (b))
+#define LYNX_ADD(a, b) __fadd_rn((a), (b))
+#else
+#define LYNX_SUB(a, b) ((a) - (b))
+#define LYNX_MUL(a, b) ((a) * (b))
+#define LYNX_ADD(a, b) ((a) + (b))
+#endif
+
 // word m of the packed block of lane values ((x[i] >> shift) & mask)
-__device__ __forceinline__ u64 lynx_pack_word(const u64 *x, int shift, u64 mask, int w, int m) {
+__host__ __device__ __forceinline__ u64 lynx_pack_word(const u64 *x, int shift, u64 mask, int w, int m) {
     u64 acc = 0ULL;
     for (int i = 0; i < 8; ++i) {
         const int s = i * w - 8 * m;
@@ -30,7 +43,7 @@ __device__ __forceinline__ u64 lynx_pack_word(const u64 *x, int shift, u64 mask,
 }
 
 // word i (8 lane values) of the packed block p[0 .. w-1]
-__device__ __forceinline__ u64 lynx_unpack_word(const u64 *p, int w, int i) {
+__host__ __device__ __forceinline__ u64 lynx_unpack_word(const u64 *p, int w, int i) {
     u64 acc = 0ULL;
     for (int m = 0; m < w; ++m) {
         const int s = i * w - 8 * m;
@@ -46,64 +59,50 @@ __device__ __forceinline__ u64 lynx_unpack_word(const u64 *p, int w, int i) {
     return acc;
 }
 
-__device__ __forceinline__ long long lynx_index() {
-    return static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-
-// codes[8*nblk] -> anchor[wa*nblk] (top wa bits) and residual[(8-wa)*nblk]
-extern "C" __global__ void lynx_split(const u64 *codes, u64 *anchor, u64 *residual, long long nblk, int wa) {
-    const long long blk = lynx_index();
-    if (blk >= nblk) return;
+// one block: codes[0..7] -> anchor[0..wa-1] (top wa bits), residual[0..7-wa]
+__host__ __device__ __forceinline__ void lynx_split_block(const u64 *codes, u64 *anchor, u64 *residual, int wa) {
     const int wr = 8 - wa;
     const u64 amask = ((1ULL << wa) - 1ULL) * LYNX_REP;
     const u64 rmask = ((1ULL << wr) - 1ULL) * LYNX_REP;
     u64 x[8];
-    for (int i = 0; i < 8; ++i) x[i] = codes[blk * 8 + i];
-    for (int m = 0; m < wa; ++m) anchor[blk * wa + m] = lynx_pack_word(x, wr, amask, wa, m);
-    for (int m = 0; m < wr; ++m) residual[blk * wr + m] = lynx_pack_word(x, 0, rmask, wr, m);
+    for (int i = 0; i < 8; ++i) x[i] = codes[i];
+    for (int m = 0; m < wa; ++m) anchor[m] = lynx_pack_word(x, wr, amask, wa, m);
+    for (int m = 0; m < wr; ++m) residual[m] = lynx_pack_word(x, 0, rmask, wr, m);
 }
 
-// inverse of lynx_split: exactly the 8-bit codes
-extern "C" __global__ void lynx_merge(const u64 *anchor, const u64 *residual, u64 *codes, long long nblk, int wa) {
-    const long long blk = lynx_index();
-    if (blk >= nblk) return;
+// one block: inverse of lynx_split_block
+__host__ __device__ __forceinline__ void lynx_merge_block(const u64 *anchor, const u64 *residual, u64 *codes, int wa) {
     const int wr = 8 - wa;
     u64 a[8];
     u64 r[8];
-    for (int m = 0; m < wa; ++m) a[m] = anchor[blk * wa + m];
-    for (int m = 0; m < wr; ++m) r[m] = residual[blk * wr + m];
-    for (int i = 0; i < 8; ++i) {
-        codes[blk * 8 + i] = (lynx_unpack_word(a, wa, i) << wr) | lynx_unpack_word(r, wr, i);
-    }
+    for (int m = 0; m < wa; ++m) a[m] = anchor[m];
+    for (int m = 0; m < wr; ++m) r[m] = residual[m];
+    for (int i = 0; i < 8; ++i) codes[i] = (lynx_unpack_word(a, wa, i) << wr) | lynx_unpack_word(r, wr, i);
 }
 
-// values[8*nblk] (lane values < 2**w) -> packed[w*nblk]
-extern "C" __global__ void lynx_pack(const u64 *values, u64 *packed, long long nblk, int w) {
-    const long long blk = lynx_index();
-    if (blk >= nblk) return;
+// one block: values[0..7] (lane values < 2**w) -> packed[0..w-1]
+__host__ __device__ __forceinline__ void lynx_pack_block(const u64 *values, u64 *packed, int w) {
     const u64 mask = ((1ULL << w) - 1ULL) * LYNX_REP;
     u64 x[8];
-    for (int i = 0; i < 8; ++i) x[i] = values[blk * 8 + i];
-    for (int m = 0; m < w; ++m) packed[blk * w + m] = lynx_pack_word(x, 0, mask, w, m);
+    for (int i = 0; i < 8; ++i) x[i] = values[i];
+    for (int m = 0; m < w; ++m) packed[m] = lynx_pack_word(x, 0, mask, w, m);
 }
 
-// packed[w*nblk] -> values[8*nblk], one value per byte
-extern "C" __global__ void lynx_unpack(const u64 *packed, u64 *values, long long nblk, int w) {
-    const long long blk = lynx_index();
-    if (blk >= nblk) return;
+// one block: packed[0..w-1] -> values[0..7]
+__host__ __device__ __forceinline__ void lynx_unpack_block(const u64 *packed, u64 *values, int w) {
     u64 p[8];
-    for (int m = 0; m < w; ++m) p[m] = packed[blk * w + m];
-    for (int i = 0; i < 8; ++i) values[blk * 8 + i] = lynx_unpack_word(p, w, i);
+    for (int m = 0; m < w; ++m) p[m] = packed[m];
+    for (int i = 0; i < 8; ++i) values[i] = lynx_unpack_word(p, w, i);
 }
 
-// index of the scale/zero of element (h, t, d): K (kind 0) per channel over token
-// groups [H, ceil(T/g), D]; V (kind 1) per token over channel groups [H, T, ceil(D/g)]
-__device__ __forceinline__ long long lynx_param_index(long long i, int tokens, int dim, int group, int kind) {
+// index of the scale/zero of flat element i = (h, t, d): K (kind 0) per channel over
+// token groups [H, ceil(T/g), D]; V (kind 1) per token over channel groups [H, T, ceil(D/g)]
+__host__ __device__ __forceinline__ long long lynx_param_index(long long i, int tokens, int dim, int group, int kind) {
     const long long d = i % dim;
     const long long ht = i / dim;
-    const long long t = ht % tokens;
-    const long long h = ht / tokens;
     if (kind == 0) {
+        const long long t = ht % tokens;
+        const long long h = ht / tokens;
         const long long groups = (tokens + group - 1) / group;
         return (h * groups + t / group) * dim + d;
     }
@@ -111,24 +110,84 @@ __device__ __forceinline__ long long lynx_param_index(long long i, int tokens, i
     return ht * groups + d / group;
 }
 
-// out = clip(rint((x - zero) * inv), 0, levels)
-extern "C" __global__ void lynx_quantize(const float *x, const float *inv, const float *zero, u8 *out, int heads,
-                                         int tokens, int dim, int group, int kind, float levels, long long n) {
-    const long long i = lynx_index();
-    if (i >= n || heads <= 0) return;
-    const long long p = lynx_param_index(i, tokens, dim, group, kind);
-    float y = rintf(__fmul_rn(__fsub_rn(x[i], zero[p]), inv[p]));
+// clip(rint((x - zero) * inv), 0, levels)
+__host__ __device__ __forceinline__ u8 lynx_quantize_one(float x, float inv, float zero, float levels) {
+    float y = rintf(LYNX_MUL(LYNX_SUB(x, zero), inv));
     y = fminf(fmaxf(y, 0.0f), levels);
-    out[i] = static_cast<u8>(y);
+    return static_cast<u8>(y);
 }
 
-// out = (values * mult + offset) * scale + zero, one rounding per operation
+// (value * mult + offset) * scale + zero, one rounding per operation
+__host__ __device__ __forceinline__ float lynx_dequant_one(u8 value, float mult, float offset, float scale, float zero) {
+    const float code = LYNX_ADD(LYNX_MUL(static_cast<float>(value), mult), offset);
+    return LYNX_ADD(LYNX_MUL(code, scale), zero);
+}
+
+// The kernels' bodies, one call per thread index (also run on the host by the tests).
+__host__ __device__ __forceinline__ void lynx_split_at(long long blk, const u64 *codes, u64 *anchor, u64 *residual,
+                                                       long long nblk, int wa) {
+    if (blk < nblk) lynx_split_block(codes + blk * 8, anchor + blk * wa, residual + blk * (8 - wa), wa);
+}
+
+__host__ __device__ __forceinline__ void lynx_merge_at(long long blk, const u64 *anchor, const u64 *residual, u64 *codes,
+                                                       long long nblk, int wa) {
+    if (blk < nblk) lynx_merge_block(anchor + blk * wa, residual + blk * (8 - wa), codes + blk * 8, wa);
+}
+
+__host__ __device__ __forceinline__ void lynx_pack_at(long long blk, const u64 *values, u64 *packed, long long nblk, int w) {
+    if (blk < nblk) lynx_pack_block(values + blk * 8, packed + blk * w, w);
+}
+
+__host__ __device__ __forceinline__ void lynx_unpack_at(long long blk, const u64 *packed, u64 *values, long long nblk,
+                                                        int w) {
+    if (blk < nblk) lynx_unpack_block(packed + blk * w, values + blk * 8, w);
+}
+
+__host__ __device__ __forceinline__ void lynx_quantize_at(long long i, const float *x, const float *inv, const float *zero,
+                                                          u8 *out, int heads, int tokens, int dim, int group, int kind,
+                                                          float levels, long long n) {
+    if (i >= n || heads <= 0) return;
+    const long long p = lynx_param_index(i, tokens, dim, group, kind);
+    out[i] = lynx_quantize_one(x[i], inv[p], zero[p], levels);
+}
+
+__host__ __device__ __forceinline__ void lynx_dequant_at(long long i, const u8 *values, float mult, float offset,
+                                                         const float *scale, const float *zero, float *out, int heads,
+                                                         int tokens, int dim, int group, int kind, long long n) {
+    if (i >= n || heads <= 0) return;
+    const long long p = lynx_param_index(i, tokens, dim, group, kind);
+    out[i] = lynx_dequant_one(values[i], mult, offset, scale[p], zero[p]);
+}
+
+__device__ __forceinline__ long long lynx_index() {
+    return static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+// packing kernels: one thread per 64-value block; codes/values [8*nblk] words, packed [w*nblk]
+extern "C" __global__ void lynx_split(const u64 *codes, u64 *anchor, u64 *residual, long long nblk, int wa) {
+    lynx_split_at(lynx_index(), codes, anchor, residual, nblk, wa);
+}
+
+extern "C" __global__ void lynx_merge(const u64 *anchor, const u64 *residual, u64 *codes, long long nblk, int wa) {
+    lynx_merge_at(lynx_index(), anchor, residual, codes, nblk, wa);
+}
+
+extern "C" __global__ void lynx_pack(const u64 *values, u64 *packed, long long nblk, int w) {
+    lynx_pack_at(lynx_index(), values, packed, nblk, w);
+}
+
+extern "C" __global__ void lynx_unpack(const u64 *packed, u64 *values, long long nblk, int w) {
+    lynx_unpack_at(lynx_index(), packed, values, nblk, w);
+}
+
+// element kernels: one thread per element of [H, T, D]
+extern "C" __global__ void lynx_quantize(const float *x, const float *inv, const float *zero, u8 *out, int heads,
+                                         int tokens, int dim, int group, int kind, float levels, long long n) {
+    lynx_quantize_at(lynx_index(), x, inv, zero, out, heads, tokens, dim, group, kind, levels, n);
+}
+
 extern "C" __global__ void lynx_dequant(const u8 *values, float mult, float offset, const float *scale,
                                         const float *zero, float *out, int heads, int tokens, int dim, int group,
                                         int kind, long long n) {
-    const long long i = lynx_index();
-    if (i >= n || heads <= 0) return;
-    const long long p = lynx_param_index(i, tokens, dim, group, kind);
-    const float code = __fadd_rn(__fmul_rn(static_cast<float>(values[i]), mult), offset);
-    out[i] = __fadd_rn(__fmul_rn(code, scale[p]), zero[p]);
+    lynx_dequant_at(lynx_index(), values, mult, offset, scale, zero, out, heads, tokens, dim, group, kind, n);
 }

@@ -98,8 +98,11 @@ def encode_layer(k: Any, v: Any, config: CodecConfig = CodecConfig(), *, backend
         raise CodecError(f"K and V shapes differ: {tk.shape} vs {tv.shape}")
     if tk.xp is not tv.xp:
         raise CodecError("K and V must both be host arrays or both be CuPy arrays")
-    xp = tk.xp
-    ops = select(backend, xp)
+    return _encode_with(select(backend, tk.xp), tk, tv, config)
+
+
+def _encode_with(ops: Ops, tk: Any, tv: Any, config: CodecConfig) -> EncodedLayer:
+    xp = ops.xp
     layout = LayerLayout.build(config, *tk.shape)
     buffers = {s: xp.zeros(layout.stream_size(s), dtype=xp.uint8) for s in layout.streams}
     anchor = buffers[Stream.ANCHOR]
@@ -204,6 +207,10 @@ def decode_layer(
     returned); otherwise new arrays of ``dtype`` (float32 by default, or float16).
     """
     ops, a, r = _inputs(layout, anchor, residual, backend)
+    return _decode_with(ops, layout, a, r, out_k, out_v, dtype)
+
+
+def _decode_with(ops: Ops, layout: LayerLayout, a: Any, r: Any, out_k: Any, out_v: Any, dtype: Any) -> tuple[Any, Any]:
     xp = ops.xp
     results = []
     for name, out in (("k", out_k), ("v", out_v)):

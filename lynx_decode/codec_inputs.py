@@ -121,6 +121,8 @@ def as_byte_buffer(buf: Any, name: str, need: int, xp: Any) -> Any:
         raise CodecError(f"{name} is not contiguous")
     if buf.size < need:
         raise CodecError(f"{name} holds {buf.size} bytes but the layout needs {need}")
+    if xp is not np and buf.data.ptr % 8:
+        raise CodecError(f"{name} must start on an 8-byte boundary for the CUDA kernels (layout offsets are {64}-aligned)")
     return buf[:need]
 
 
@@ -138,6 +140,6 @@ def as_output(out: Any, name: str, shape: tuple[int, ...], xp: Any) -> Any:
         raise CodecError(f"{name} has dtype {out.dtype}; decoded output must be float32 or float16")
     if tuple(out.shape) != shape:
         raise CodecError(f"{name} has shape {tuple(out.shape)}, expected {shape}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
+    if not out.flags.c_contiguous or not getattr(out.flags, "writeable", True):  # CuPy has no writeable flag
         raise CodecError(f"{name} must be a writable C-contiguous array")
     return out
