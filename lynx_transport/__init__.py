@@ -2,8 +2,54 @@
 priority lanes, bandwidth shaping and completion callbacks.
 
 Knows nothing about KV caches, models or quantization.
+
+Receiver (decode node)::
+
+    pool = ReceivePool(1 << 30)
+    with Receiver(pool, on_lane_complete=lambda s, lane: ...) as rx:
+        stream = rx.next_stream(timeout=10)       # manifest + metadata, before data
+        stream.wait_lane(Lane.ANCHOR, timeout=5)
+        anchor = stream.view("k_anchor")          # NumPy/CuPy view into the pool
+
+Sender (prefill node)::
+
+    with connect(rx_address, timeout=5) as conn:
+        s = conn.send_stream([("k_anchor", a, Lane.ANCHOR), ("k_res", r, Lane.RESIDUAL)],
+                             metadata=b"...")
+        s.wait(timeout=30)                        # confirmed by the receiver
+
+Threads and futures: each Receiver/Connection runs one I/O thread that owns
+its UCX worker; receiver callbacks run on one callback thread. Every blocking
+call takes a timeout. Errors: :mod:`lynx_transport.errors`.
 """
 
+from lynx_transport.config import TransportConfig
+from lynx_transport.connection import Connection, connect
 from lynx_transport.errors import LynxError, TransportError
+from lynx_transport.lanes import Lane
+from lynx_transport.pool import PoolMemory, ReceivePool
+from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
+from lynx_transport.receiver import Receiver
+from lynx_transport.send_stream import SendStream
+from lynx_transport.shaper import Rate
+from lynx_transport.state import StreamState
+from lynx_transport.stats import LaneStats, TransportStats
 
-__all__ = ["LynxError", "TransportError"]
+__all__ = [
+    "Connection",
+    "Lane",
+    "LaneStats",
+    "LynxError",
+    "PoolMemory",
+    "Rate",
+    "ReceivePool",
+    "ReceiveStream",
+    "ReceivedRegion",
+    "Receiver",
+    "SendStream",
+    "StreamState",
+    "TransportConfig",
+    "TransportError",
+    "TransportStats",
+    "connect",
+]

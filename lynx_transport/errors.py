@@ -14,6 +14,7 @@ owns the root (it is the bottom layer; everything above may import it)::
     │   ├── PoolExhaustedError          the receive pool cannot hold a stream
     │   ├── ClosedError                 the object was closed by its owner
     │   ├── StreamFailedError           a stream ended failed (carries the reason)
+    │   ├── StreamCancelledError        a stream ended cancelled (by its sender)
     │   └── LinkError                   tc / network-namespace emulation failed
     ├── CodecError                      lynx_decode: format and layout
     │   └── LayoutError                 a layout descriptor is inconsistent
@@ -43,6 +44,7 @@ __all__ = [
     "PoolExhaustedError",
     "ClosedError",
     "StreamFailedError",
+    "StreamCancelledError",
     "LinkError",
     "CodecError",
     "LayoutError",
@@ -100,6 +102,10 @@ class StreamFailedError(TransportError):
     def __init__(self, message: str, reason: BaseException | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class StreamCancelledError(TransportError):
+    """A stream ended in the cancelled state (its sender abandoned it)."""
 
 
 class LinkError(TransportError):

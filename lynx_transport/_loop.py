@@ -1,0 +1,177 @@
+"""The I/O thread: one per UCX worker. Progress, control sockets and scheduling in one place.
+
+Concurrency model (threads + futures): each :class:`IoLoop` owns a UCX worker,
+its control sockets and all mutable transport state, and is the only thread
+that touches them. Other threads talk to it through :meth:`IoLoop.call`, which
+runs a function on the loop and returns a :class:`concurrent.futures.Future`.
+
+The loop polls the worker while UCX requests are pending (that is what makes
+shared-memory transfers fast) and, once nothing has moved for a few hundred
+iterations, arms the worker and sleeps in ``select`` on the worker's epoll fd,
+the control sockets and a wake-up socket, until the next deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import selectors
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from lynx_transport._ucx import UcxWorker
+from lynx_transport.clock import Clock
+from lynx_transport.errors import ClosedError
+
+__all__ = ["IoLoop"]
+
+log = logging.getLogger("lynx_transport")
+
+_SPIN_ITERATIONS = 30        # polls without progress before sleeping
+_PENDING_SLEEP_CAP_S = 0.002  # sleep cap while UCX requests are pending
+_SOCKET_POLL_EVERY = 8        # while busy, look at sockets every N iterations
+
+
+class IoLoop:
+    """Base class; subclasses implement :meth:`step` and :meth:`on_crash`."""
+
+    def __init__(self, name: str, tls: str, clock: Clock) -> None:
+        self.clock = clock
+        self.worker = UcxWorker(tls)
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
+        self.selector.register(self.worker.epoll_fd, selectors.EVENT_READ, None)
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque())
+        self._calls_lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- called from any thread ----------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn()`` on the I/O thread; its result or exception lands in the future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if threading.current_thread() is self._thread:
+            self._run_one(fn, fut)
+            return fut
+        with self._calls_lock:
+            if self._stopping:
+                fut.set_exception(ClosedError("the transport is closed"))
+                return fut
+            self._calls.append((fn, fut))
+        self.wake()
+        return fut
+
+    def wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def stop(self, timeout: float) -> None:
+        """Ask the loop to finish and wait for it (at most ``timeout`` s)."""
+        self._stopping = True
+        self.wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- subclass hooks ----------------------------------------------------------------
+    def step(self) -> tuple[bool, bool, float | None]:
+        """One round of work: ``(made_progress, ucx_pending, next_deadline)``."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Called on the I/O thread when the loop ends (close sockets, fail streams)."""
+
+    def on_crash(self, exc: BaseException) -> None:
+        """Called on the I/O thread if :meth:`step` raised unexpectedly."""
+
+    # -- the loop ------------------------------------------------------------------------
+    def _drain_wake(self, sock: socket.socket) -> None:
+        try:
+            while sock.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    @staticmethod
+    def _run_one(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+            fut.set_exception(exc)
+
+    def _run_calls(self) -> bool:
+        ran = False
+        while True:
+            with self._calls_lock:
+                if not self._calls:
+                    return ran
+                fn, fut = self._calls.popleft()
+            self._run_one(fn, fut)
+            ran = True
+
+    def _select(self, timeout: float) -> bool:
+        events = self.selector.select(timeout)
+        for key, _ in events:
+            if key.data is not None:
+                key.data(key.fileobj)
+        return bool(events)
+
+    def _run(self) -> None:
+        try:
+            idle = 0
+            n = 0
+            while not self._stopping:
+                self.worker.progress()
+                ran = self._run_calls()
+                progressed, pending, deadline = self.step()
+                n += 1
+                if progressed or ran:
+                    idle = 0
+                    if n % _SOCKET_POLL_EVERY == 0:
+                        self._select(0)
+                    continue
+                idle += 1
+                if pending and idle < _SPIN_ITERATIONS:
+                    if n % _SOCKET_POLL_EVERY == 0:
+                        self._select(0)
+                    continue
+                now = self.clock.now()
+                timeout = 1.0 if deadline is None else max(0.0, deadline - now)
+                if pending:
+                    timeout = min(timeout, _PENDING_SLEEP_CAP_S)
+                if timeout > 0 and not self.worker.arm():
+                    timeout = 0.0
+                if self._select(timeout):
+                    idle = 0
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiter
+            log.exception("lynx I/O thread crashed")
+            self.on_crash(exc)
+        finally:
+            self._stopping = True
+            try:
+                self.shutdown()
+            finally:
+                with self._calls_lock:
+                    calls, self._calls = list(self._calls), collections.deque()
+                for fn, fut in calls:
+                    self._run_one(fn, fut)
+                self.selector.close()
+                self._wake_r.close()
+                self._wake_w.close()

@@ -1,0 +1,73 @@
+"""Transport configuration: frozen dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lynx_transport.lanes import check_lane
+from lynx_transport.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ManifestLimits
+from lynx_transport.shaper import Rate
+
+__all__ = ["TransportConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportConfig:
+    """Settings shared by senders and receivers.
+
+    chunk_bytes:
+        Regions are cut into chunks of this size; an anchor chunk waits behind at
+        most ``max_inflight_bytes`` of residual, and a shaped link interleaves
+        lanes at this granularity. Smaller chunks lower anchor latency under
+        load, larger ones cost less per byte.
+    max_inflight_bytes:
+        Bytes handed to UCX and not yet completed, per connection.
+    heartbeat_interval_s / peer_timeout_s:
+        Each side sends a heartbeat when it has been silent this long, and
+        declares the peer lost (``PeerDisconnectedError``) after hearing nothing
+        for ``peer_timeout_s``. A crashed peer's closed socket is noticed at once.
+    ucx_tls:
+        UCX transports (``UCX_TLS`` syntax), given to the UCX context (never
+        written to the environment). The default lets UCX pick; on one host it
+        uses cross-memory attach (``cma``, single-copy rendezvous), which is
+        several times faster than ``"^cma"`` (shared-memory fragments that need
+        both sides to progress). ``cma`` needs ptrace permission between the
+        two processes (same user; ``kernel.yama.ptrace_scope`` <= 1).
+    link_rate / lane_rates:
+        Initial shaping of a connection (sender side); change them at run time
+        with ``Connection.set_link_rate`` / ``set_lane_rate``.
+    manifest_limits:
+        What a receiver accepts (and what a sender checks before sending).
+    pool_wait_s:
+        Back-pressure: a stream that does not fit in the receive pool waits up
+        to this long for released space before it is rejected
+        (``PoolExhaustedError`` at the sender); 0 rejects at once.
+    """
+
+    chunk_bytes: int = 1 << 20
+    max_inflight_bytes: int = 4 << 20
+    heartbeat_interval_s: float = 0.25
+    peer_timeout_s: float = 1.5
+    ucx_tls: str = "all"
+    link_rate: Rate | None = None
+    lane_rates: tuple[tuple[int, Rate], ...] = ()
+    manifest_limits: ManifestLimits = ManifestLimits()
+    pool_wait_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
+                             f"got {self.chunk_bytes}")
+        if self.max_inflight_bytes < 1:
+            raise ValueError(f"max_inflight_bytes must be >= 1, got {self.max_inflight_bytes}")
+        if not 0 < self.heartbeat_interval_s < self.peer_timeout_s:
+            raise ValueError("need 0 < heartbeat_interval_s < peer_timeout_s, got "
+                             f"{self.heartbeat_interval_s} and {self.peer_timeout_s}")
+        if self.pool_wait_s < 0:
+            raise ValueError(f"pool_wait_s must be >= 0, got {self.pool_wait_s}")
+        if not self.ucx_tls:
+            raise ValueError("ucx_tls must not be empty")
+        for lane, rate in self.lane_rates:
+            check_lane(lane)
+            if not isinstance(rate, Rate):
+                raise ValueError(f"lane_rates values must be Rate, got {rate!r}")

@@ -1,0 +1,435 @@
+"""The sending side: ``connect`` to a receiver, then send streams over the connection.
+
+Usage::
+
+    with connect(("127.0.0.1", port), timeout=5) as conn:
+        conn.set_link_rate(Rate(gbps=1.0))                 # optional shaping
+        s = conn.send_stream([("k", k_anchor, Lane.ANCHOR),
+                              ("v", v_residual, Lane.RESIDUAL)], metadata=b"layout")
+        s.wait_lane(Lane.ANCHOR, timeout=5)                # receiver confirmed the anchor
+        s.wait(timeout=30)                                 # ... and everything
+
+    # regions produced progressively:
+    s = conn.open_stream([("layer0", n0, Lane.ANCHOR), ("layer1", n1, Lane.ANCHOR)])
+    s.supply("layer0", buf0); ...; s.supply("layer1", buf1)
+
+Each connection has one I/O thread (``lynx-tx-io``) that owns its UCX worker
+and endpoint, the control socket, the :class:`PriorityScheduler` and the
+:class:`Shaper`; public methods hand work to it and wait (with a timeout) for
+the answer. Completion is signalled by the receiver (LANE_DONE/STREAM_DONE
+frames), never inferred from local send completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import selectors
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from lynx_transport import _ucx
+from lynx_transport._control import ControlSocket
+from lynx_transport._loop import IoLoop
+from lynx_transport.clock import Clock, MonotonicClock
+from lynx_transport.config import TransportConfig
+from lynx_transport.errors import (ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
+                                   PoolExhaustedError, ProtocolError, StreamCancelledError,
+                                   StreamFailedError, TransportError, TransportTimeoutError)
+from lynx_transport.lanes import check_lane
+from lynx_transport.manifest import Manifest, RegionSpec, encode_manifest
+from lynx_transport.scheduler import Chunk, PriorityScheduler
+from lynx_transport.send_stream import SendStream
+from lynx_transport.shaper import Rate, Shaper
+from lynx_transport.state import StreamState
+from lynx_transport.stats import LaneCounters, TransportStats
+from lynx_transport.wire import (Frame, FrameDecoder, FrameType, OversizedFrame, RejectReason,
+                                 encode_frame, pack_stream_text, pack_u64, unpack_rate,
+                                 unpack_stream_lane, unpack_stream_text, unpack_stream_token,
+                                 unpack_u64, unpack_welcome)
+
+__all__ = ["Connection", "connect"]
+
+log = logging.getLogger("lynx_transport")
+
+_REJECT_ERRORS = {RejectReason.MANIFEST: ManifestError,
+                  RejectReason.POOL_EXHAUSTED: PoolExhaustedError,
+                  RejectReason.CLOSED: ClosedError}
+
+
+@dataclasses.dataclass
+class _TxStream:
+    handle: SendStream
+    views: list[Any | None]
+    token: int | None = None
+    inflight: int = 0
+    cancelling: bool = False
+
+
+class _TxLoop(IoLoop):
+    def __init__(self, owner: Connection, sock: socket.socket, address: bytes) -> None:
+        super().__init__("lynx-tx-io", owner.config.ucx_tls, owner.clock)
+        cfg = owner.config
+        self.o = owner
+        self.ctl = ControlSocket(sock, 1 << 16, self.clock.now())
+        self.ctl.last_rx = self.clock.now()
+        self.ep = self.worker.endpoint(address)
+        self.shaper = Shaper(self.clock, cfg.link_rate, dict(cfg.lane_rates))
+        self.sched = PriorityScheduler(self.clock, chunk_bytes=cfg.chunk_bytes,
+                                       max_inflight_bytes=cfg.max_inflight_bytes, shaper=self.shaper)
+        self.streams: dict[int, _TxStream] = {}
+        self.inflight: list[tuple[Any, Chunk, _TxStream]] = []
+        self.counters = LaneCounters()
+        self.completed = 0
+        self.failed = 0
+        self.broken: TransportError | None = None
+        self.selector.register(sock, selectors.EVENT_READ, self.on_readable)
+
+    def send(self, ftype: FrameType, payload: bytes = b"") -> None:
+        self.ctl.send(ftype, payload, self.clock.now())
+
+    def on_readable(self, sock: socket.socket) -> None:
+        if self.ctl.closed:
+            return
+        try:
+            for frame in self.ctl.read(self.clock.now()):
+                if isinstance(frame, OversizedFrame):
+                    raise ProtocolError(f"oversized {frame.type.name} frame from the receiver")
+                self.on_frame(frame)
+        except TransportError as exc:
+            self.break_connection(exc)
+
+    def on_frame(self, frame: Frame) -> None:
+        t = frame.type
+        if t is FrameType.ACCEPT:
+            sid, token = unpack_stream_token(frame.payload)
+            tx = self.streams.get(sid)
+            if tx is None or tx.token is not None:
+                return  # cancelled meanwhile, or a duplicate
+            tx.token = token
+            tx.handle._completion.activate()
+            for i, view in enumerate(tx.views):
+                if view is not None:
+                    self.queue_region(tx, i)
+        elif t is FrameType.REJECT:
+            sid, code, text = unpack_stream_text(frame.payload)
+            tx = self.streams.get(sid)
+            if tx is not None:
+                try:
+                    cls = _REJECT_ERRORS[RejectReason(code)]
+                except (ValueError, KeyError):
+                    cls = StreamFailedError
+                self.fail(tx, cls(f"receiver refused stream {sid}: {text}"), StreamState.FAILED)
+        elif t is FrameType.LANE_DONE:
+            sid, lane = unpack_stream_lane(frame.payload)
+            tx = self.streams.get(sid)
+            if tx is not None:
+                tx.handle._completion.lane_done(lane, self.clock.now())
+        elif t is FrameType.STREAM_DONE:
+            tx = self.streams.get(unpack_u64(frame.payload, "STREAM_DONE"))
+            if tx is not None and tx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
+                self.completed += 1
+                self.forget(tx)
+        elif t is FrameType.STREAM_FAILED:
+            sid, _, text = unpack_stream_text(frame.payload)
+            tx = self.streams.get(sid)
+            if tx is not None:
+                self.fail(tx, StreamFailedError(f"receiver failed stream {sid}: {text}"),
+                          StreamState.FAILED)
+        elif t is FrameType.RATE:
+            gbps, burst = unpack_rate(frame.payload)
+            self.shaper.set_peer_rate(Rate(gbps, burst) if gbps > 0 else None)
+        elif t is FrameType.HEARTBEAT:
+            pass
+        elif t is FrameType.GOODBYE:
+            self.break_connection(PeerDisconnectedError("the receiver closed the connection"))
+        else:
+            raise ProtocolError(f"unexpected {t.name} frame from a receiver")
+
+    # -- streams ------------------------------------------------------------------------
+    def open(self, handle: SendStream, payload: bytes, views: list[Any | None]) -> None:
+        if self.broken is not None:
+            raise self.broken
+        tx = _TxStream(handle, views)
+        handle._supply = lambda i, buf: self.supply(tx, i, buf)
+        handle._cancel = lambda: self.cancel(tx)
+        self.streams[handle.stream_id] = tx
+        self.send(FrameType.OPEN, payload)
+
+    def supply(self, tx: _TxStream, i: int, buffer: Any) -> None:
+        if tx.handle.state.terminal:
+            raise tx.handle.exception() or ClosedError(f"stream {tx.handle.stream_id} is finished")
+        if tx.views[i] is not None:
+            raise ValueError(f"region {tx.handle.manifest.regions[i].name!r} was already supplied")
+        view = _ucx.as_bytes_view(buffer)
+        spec = tx.handle.manifest.regions[i]
+        if view.nbytes != spec.nbytes:
+            raise ValueError(f"region {spec.name!r} is {spec.nbytes} bytes in the manifest, "
+                             f"the buffer has {view.nbytes}")
+        tx.views[i] = view
+        if tx.token is not None:
+            self.queue_region(tx, i)
+
+    def queue_region(self, tx: _TxStream, i: int) -> None:
+        spec = tx.handle.manifest.regions[i]
+        first = tx.handle.manifest.first_chunk_indices()[i]
+        self.sched.add_region(tx.handle.stream_id, i, spec.lane, spec.nbytes, first)
+
+    def cancel(self, tx: _TxStream) -> None:
+        if tx.handle.state.terminal or tx.cancelling:
+            return
+        tx.cancelling = True
+        self.sched.remove_stream(tx.handle.stream_id)
+        self.maybe_finish_cancel(tx)
+
+    def maybe_finish_cancel(self, tx: _TxStream) -> None:
+        # Chunks already handed to UCX finish first, so the receiver can safely
+        # drop the receives that are left when CANCEL arrives.
+        if tx.cancelling and tx.inflight == 0:
+            if tx.handle._completion.finish(StreamState.CANCELLED, self.clock.now(),
+                                            StreamCancelledError(
+                                                f"stream {tx.handle.stream_id} was cancelled")):
+                self.failed += 1
+            self.forget(tx)
+            if self.broken is None:
+                self.send(FrameType.CANCEL, pack_u64(tx.handle.stream_id))
+
+    def forget(self, tx: _TxStream) -> None:
+        self.streams.pop(tx.handle.stream_id, None)
+        self.sched.remove_stream(tx.handle.stream_id)
+
+    def fail(self, tx: _TxStream, exc: TransportError, state: StreamState) -> None:
+        if tx.handle._completion.finish(state, self.clock.now(), exc):
+            self.failed += 1
+        self.forget(tx)
+
+    def break_connection(self, exc: TransportError) -> None:
+        if self.broken is not None:
+            return
+        self.broken = exc
+        if not isinstance(exc, (PeerDisconnectedError, ClosedError)):
+            log.warning("connection to %s broken: %s", self.ctl.peer, exc)
+        for tx in list(self.streams.values()):
+            self.fail(tx, exc, StreamState.FAILED)
+        self.inflight.clear()  # dropping the requests cancels them
+        try:
+            self.selector.unregister(self.ctl.sock)
+        except (KeyError, ValueError):
+            pass
+        self.ctl.close()
+
+    # -- the loop body ----------------------------------------------------------------------
+    def step(self) -> tuple[bool, bool, float | None]:
+        progressed = False
+        now = self.clock.now()
+        if self.inflight:
+            keep = []
+            for entry in self.inflight:
+                req, chunk, tx = entry
+                if not req.completed:
+                    keep.append(entry)
+                    continue
+                progressed = True
+                self.sched.complete(chunk)
+                tx.inflight -= 1
+                try:
+                    _ucx.check(req, f"stream {chunk.stream_id}")
+                except TransportError as exc:
+                    self.inflight = keep
+                    self.break_connection(exc)
+                    return True, False, None
+                self.counters.add(chunk.lane, chunk.nbytes, now)
+                self.maybe_finish_cancel(tx)
+            self.inflight = keep
+        if self.broken is None:
+            while (chunk := self.sched.next_chunk()) is not None:
+                tx = self.streams[chunk.stream_id]
+                view = tx.views[chunk.region][chunk.offset:chunk.offset + chunk.nbytes]
+                self.counters.started(chunk.lane, now)
+                try:
+                    req = self.worker.tag_send(self.ep, view, (tx.token << 32) | chunk.index)
+                except Exception as exc:  # noqa: BLE001 - mapped and reported
+                    self.sched.complete(chunk)
+                    self.break_connection(TransportError(f"UCX send failed: {exc}"))
+                    return True, False, None
+                tx.inflight += 1
+                self.inflight.append((req, chunk, tx))
+                progressed = True
+        return progressed, bool(self.inflight), self.housekeeping(now)
+
+    def housekeeping(self, now: float) -> float | None:
+        if self.broken is not None:
+            return None
+        cfg = self.o.config
+        try:
+            self.ctl.flush()
+            if now - self.ctl.last_rx > cfg.peer_timeout_s:
+                raise PeerDisconnectedError(
+                    f"receiver {self.ctl.peer} silent for {now - self.ctl.last_rx:.2f} s "
+                    f"(limit {cfg.peer_timeout_s} s)")
+            if now - self.ctl.last_tx >= cfg.heartbeat_interval_s:
+                self.send(FrameType.HEARTBEAT)
+        except TransportError as exc:
+            self.break_connection(exc)
+            return None
+        deadline = min(self.ctl.last_tx + cfg.heartbeat_interval_s,
+                       self.ctl.last_rx + cfg.peer_timeout_s)
+        wait = self.sched.wait_time()
+        if wait is not None:
+            deadline = min(deadline, now + wait)
+        return deadline
+
+    def shutdown(self) -> None:
+        if self.broken is None:
+            try:
+                self.send(FrameType.GOODBYE)
+            except TransportError:
+                pass
+            self.break_connection(ClosedError("the connection was closed"))
+        self.ep = None
+
+    def on_crash(self, exc: BaseException) -> None:
+        self.break_connection(TransportError(f"the I/O thread crashed: {exc!r}"))
+
+    def stats(self) -> TransportStats:
+        lanes = range(8)
+        queued = {lane: self.sched.queued_bytes(lane) for lane in lanes}
+        inflight = {lane: self.sched.inflight_lane_bytes(lane) for lane in lanes}
+        return TransportStats(self.counters.snapshot(queued, inflight), len(self.streams),
+                              self.completed, self.failed)
+
+
+class Connection:
+    """A connection to one receiver. Create it with :func:`connect`."""
+
+    def __init__(self, sock: socket.socket, address: bytes, peer_rate: Rate | None,
+                 config: TransportConfig, clock: Clock) -> None:
+        self.config = config
+        self.clock = clock
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._loop = _TxLoop(self, sock, address)
+        if peer_rate is not None:
+            self._loop.shaper.set_peer_rate(peer_rate)
+        self._loop.start()
+
+    def _call(self, fn: Any, timeout: float = 5.0) -> Any:
+        if self._closed:
+            raise ClosedError("the connection is closed")
+        try:
+            return self._loop.call(fn).result(timeout)
+        except TimeoutError as exc:
+            raise TransportTimeoutError(f"the I/O thread did not answer in {timeout} s") from exc
+
+    def open_stream(self, regions: Sequence[RegionSpec | tuple[str, int, int]],
+                    metadata: bytes = b"", timeout: float = 5.0) -> SendStream:
+        """Announce a stream (names, sizes, lanes, metadata); supply bytes later with ``supply``."""
+        specs = tuple(r if isinstance(r, RegionSpec) else RegionSpec(r[0], r[1], r[2])
+                      for r in regions)
+        return self._open(specs, [None] * len(specs), metadata, timeout)
+
+    def send_stream(self, regions: Sequence[tuple[str, Any, int]], metadata: bytes = b"",
+                    timeout: float = 5.0) -> SendStream:
+        """Send named buffers, each on a lane: ``[(name, buffer, lane), ...]``.
+
+        Buffers (NumPy/CuPy arrays, bytes-like) must be contiguous and stay
+        unchanged until the returned stream is done. ``timeout`` bounds only the
+        hand-off to the I/O thread; wait on the stream for completion.
+        """
+        views, specs = [], []
+        for item in regions:
+            if len(item) != 3:
+                raise ValueError(f"regions are (name, buffer, lane) tuples, got {item!r}")
+            name, buffer, lane = item
+            view = _ucx.as_bytes_view(buffer)
+            views.append(view)
+            specs.append(RegionSpec(name, int(view.nbytes), lane))
+        return self._open(tuple(specs), views, metadata, timeout)
+
+    def _open(self, specs: tuple[RegionSpec, ...], views: list[Any | None], metadata: bytes,
+              timeout: float) -> SendStream:
+        manifest = Manifest(next(self._ids), self.config.chunk_bytes, specs, bytes(metadata))
+        payload = encode_manifest(manifest, self.config.manifest_limits)
+        handle = SendStream(manifest, self.clock.now(), self._loop.call)
+        self._call(lambda: self._loop.open(handle, payload, views), timeout)
+        return handle
+
+    def set_link_rate(self, rate: Rate | None) -> None:
+        """Shape the whole connection (takes effect at once, also mid-stream)."""
+        self._call(lambda: self._loop.shaper.set_link_rate(rate))
+
+    def set_lane_rate(self, lane: int, rate: Rate | None) -> None:
+        """Shape one lane (takes effect at once, also mid-stream)."""
+        lane = check_lane(lane)
+        self._call(lambda: self._loop.shaper.set_lane_rate(lane, rate))
+
+    def rates(self) -> dict[str, Rate | None]:
+        """Current shaping: link, the receiver's requested cap (``peer``), and lanes."""
+        return self._call(self._loop.shaper.rates)
+
+    def stats(self) -> TransportStats:
+        """Per-lane bytes sent, achieved rates, queued and in-flight bytes."""
+        return self._call(self._loop.stats)
+
+    @property
+    def broken(self) -> TransportError | None:
+        """Why the connection can no longer be used (``None`` while it is healthy)."""
+        return self._loop.broken
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Fail active streams (``ClosedError``), say goodbye, stop the I/O thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.stop(timeout)
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _handshake(sock: socket.socket, deadline: float, clock: Clock) -> tuple[bytes, Rate | None]:
+    sock.sendall(encode_frame(FrameType.HELLO))
+    decoder = FrameDecoder(1 << 17)
+    while True:
+        left = deadline - clock.now()
+        if left <= 0:
+            raise socket.timeout("handshake")
+        sock.settimeout(left)
+        data = sock.recv(1 << 16)
+        if not data:
+            raise ConnectError("the receiver closed the connection during the handshake")
+        for frame in decoder.feed(data):
+            if not isinstance(frame, Frame) or frame.type is not FrameType.WELCOME:
+                raise ConnectError(f"expected WELCOME from the receiver, got {frame}")
+            address, gbps, burst = unpack_welcome(frame.payload)
+            return address, (Rate(gbps, burst) if gbps > 0 else None)
+
+
+def connect(address: tuple[str, int], *, timeout: float = 5.0,
+            config: TransportConfig | None = None, clock: Clock | None = None) -> Connection:
+    """Connect to a :class:`~lynx_transport.receiver.Receiver` at ``(host, port)``.
+
+    Raises :class:`ConnectError` if nobody listens, the handshake fails, or it
+    does not finish within ``timeout`` seconds.
+    """
+    config = config if config is not None else TransportConfig()
+    clock = clock if clock is not None else MonotonicClock()
+    deadline = clock.now() + timeout
+    try:
+        sock = socket.create_connection(address, timeout=timeout)
+    except OSError as exc:
+        raise ConnectError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
+    try:
+        ucx_address, peer_rate = _handshake(sock, deadline, clock)
+        return Connection(sock, ucx_address, peer_rate, config, clock)
+    except (OSError, ProtocolError) as exc:
+        sock.close()
+        raise ConnectError(f"handshake with {address[0]}:{address[1]} failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise

@@ -1,0 +1,549 @@
+"""The receiving side: a control listener, a receive pool, and completion callbacks.
+
+Usage::
+
+    pool = ReceivePool(1 << 30)                       # allocated once
+    with Receiver(pool, on_region=lambda s, r: ...) as rx:
+        print(rx.address)                             # ("127.0.0.1", <port>)
+        stream = rx.next_stream(timeout=10)           # manifest known, data not yet
+        stream.wait_lane(Lane.ANCHOR, timeout=5)      # anchor bytes are in place
+        stream.wait(timeout=30)
+        k = stream.view("k")                          # NumPy view into the pool
+        ...
+        stream.release()
+
+Threads: one I/O thread (``lynx-rx-io``) owns the UCX worker, the sockets and
+all stream state; user callbacks run on one callback thread
+(``lynx-rx-callbacks``), one at a time, in the order events happened, each
+exactly once and only after the bytes it reports are in place:
+
+* ``on_stream_open(stream)`` - manifest accepted, pool carved, receives posted;
+* ``on_chunk(stream, region, offset, nbytes)`` - one chunk landed (optional);
+* ``on_region(stream, region)`` - every byte of a region landed;
+* ``on_lane_complete(stream, lane)`` - every region on that lane landed;
+* ``on_stream_complete(stream)`` / ``on_stream_failed(stream, error)`` - exactly
+  one of them per opened stream (a cancelled stream reports
+  ``StreamCancelledError`` through ``on_stream_failed``).
+
+A callback that raises is logged and does not affect the transfer. Blocking
+equivalents (``next_stream``, ``ReceiveStream.wait_region/wait_lane/wait``)
+all take a timeout.
+
+Data path: the sender reaches this process's UCX worker through the address
+sent in WELCOME; for every chunk the receiver posts a tagged receive on a view
+of the pool (tag = stream token << 32 | chunk index), so bytes land in place
+with no intermediate copy. The control channel (TCP, bound to 127.0.0.1 unless
+told otherwise) carries manifests, confirmations and heartbeats; a closed socket
+or ``peer_timeout_s`` of silence fails that peer's streams with
+``PeerDisconnectedError``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import selectors
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from lynx_transport import _ucx
+from lynx_transport._control import ControlSocket
+from lynx_transport._dispatch import Dispatcher
+from lynx_transport._loop import IoLoop
+from lynx_transport.clock import Clock, MonotonicClock
+from lynx_transport.config import TransportConfig
+from lynx_transport.errors import (ClosedError, ManifestError, PeerDisconnectedError,
+                                   PoolExhaustedError, ProtocolError, StreamCancelledError,
+                                   StreamFailedError, TransportError, TransportTimeoutError)
+from lynx_transport.manifest import Manifest, decode_manifest
+from lynx_transport.pool import ReceivePool
+from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
+from lynx_transport.shaper import Rate
+from lynx_transport.state import StreamState
+from lynx_transport.stats import LaneCounters, TransportStats
+from lynx_transport.wire import (Frame, FrameType, OversizedFrame, RejectReason, pack_rate,
+                                 pack_stream_lane, pack_stream_text, pack_stream_token,
+                                 pack_u64, pack_welcome, unpack_stream_text, unpack_u64)
+
+__all__ = ["Receiver"]
+
+log = logging.getLogger("lynx_transport")
+
+#: A failed stream's pool blocks are held this long before reuse, so a receive
+#: UCX could not cancel (matched, mid-transfer) cannot write into a new stream.
+QUARANTINE_S = 0.2
+
+StreamCallback = Callable[[ReceiveStream], Any]
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: Any
+    region: int
+    offset: int
+    nbytes: int
+
+
+class _RxStream:
+    """I/O-thread state of one incoming stream."""
+
+    def __init__(self, handle: ReceiveStream, token: int, conn: _Conn) -> None:
+        self.handle = handle
+        self.token = token
+        self.conn = conn
+        self.pending: dict[int, collections.deque[_Pending]] = collections.defaultdict(
+            collections.deque)
+        m = handle.manifest
+        self.region_left = [r.nbytes for r in m.regions]
+        self.lane_left: dict[int, int] = collections.defaultdict(int)
+        for r in m.regions:
+            self.lane_left[r.lane] += r.nbytes
+        self.lanes_open = set(self.lane_left)
+        self.left = m.total_bytes
+
+
+class _Conn:
+    def __init__(self, ctl: ControlSocket) -> None:
+        self.ctl = ctl
+        self.hello = False
+        self.streams: dict[int, _RxStream] = {}
+
+
+class _RxLoop(IoLoop):
+    def __init__(self, owner: Receiver, listen: socket.socket) -> None:
+        super().__init__("lynx-rx-io", owner.config.ucx_tls, owner.clock)
+        self.o = owner
+        self.listen = listen
+        self.conns: dict[int, _Conn] = {}
+        self.quarantine: list[tuple[float, list[tuple[int, int]]]] = []
+        self.waiting: collections.deque[tuple[float, _Conn, Manifest]] = collections.deque()
+        self.next_token = 1
+        self.tokens_in_use: set[int] = set()
+        self.counters = LaneCounters()
+        self.completed = 0
+        self.failed = 0
+        self.max_payload = owner.config.manifest_limits.max_encoded_bytes
+        self.selector.register(listen, selectors.EVENT_READ, self.on_accept)
+
+    # -- sockets --------------------------------------------------------------------
+    def on_accept(self, listen: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                return
+            conn = _Conn(ControlSocket(sock, self.max_payload, self.clock.now()))
+            self.conns[conn.ctl.fileno()] = conn
+            self.selector.register(sock, selectors.EVENT_READ, self.on_readable)
+
+    def on_readable(self, sock: socket.socket) -> None:
+        conn = self.conns.get(sock.fileno())
+        if conn is None:
+            return
+        try:
+            for frame in conn.ctl.read(self.clock.now()):
+                self.on_frame(conn, frame)
+        except TransportError as exc:
+            self.drop_conn(conn, exc)
+
+    def drop_conn(self, conn: _Conn, exc: TransportError) -> None:
+        if conn.ctl.closed:
+            return
+        if not isinstance(exc, (PeerDisconnectedError, ClosedError)):
+            log.warning("dropping control connection from %s: %s", conn.ctl.peer, exc)
+        for rx in list(conn.streams.values()):
+            self.fail(rx, exc, StreamState.FAILED)
+        try:
+            self.selector.unregister(conn.ctl.sock)
+        except (KeyError, ValueError):
+            pass
+        self.conns.pop(conn.ctl.fileno(), None)
+        conn.ctl.close()
+
+    # -- frames ------------------------------------------------------------------------
+    def send(self, conn: _Conn, ftype: FrameType, payload: bytes = b"") -> None:
+        conn.ctl.send(ftype, payload, self.clock.now())
+
+    def on_frame(self, conn: _Conn, frame: Frame | OversizedFrame) -> None:
+        if not conn.hello:
+            if not isinstance(frame, Frame) or frame.type is not FrameType.HELLO:
+                raise ProtocolError("the first frame on a connection must be HELLO")
+            conn.hello = True
+            rate = self.o._requested_rate
+            self.send(conn, FrameType.WELCOME, pack_welcome(
+                self.worker.address, rate.gbps if rate else 0.0, rate.burst_bytes if rate else 0))
+            return
+        if isinstance(frame, OversizedFrame):
+            sid = int.from_bytes(frame.prefix[:8].ljust(8, b"\0"), "big")
+            self.reject(conn, sid, RejectReason.MANIFEST,
+                        f"manifest of {frame.length} bytes exceeds the {self.max_payload}-byte limit")
+            return
+        t = frame.type
+        if t is FrameType.OPEN:
+            self.on_open(conn, frame.payload)
+        elif t is FrameType.CANCEL:
+            rx = conn.streams.get(unpack_u64(frame.payload, "CANCEL"))
+            if rx is not None:
+                self.fail(rx, StreamCancelledError(
+                    f"stream {rx.handle.stream_id} was cancelled by its sender"), StreamState.CANCELLED)
+        elif t is FrameType.STREAM_FAILED:
+            sid, _, text = unpack_stream_text(frame.payload)
+            rx = conn.streams.get(sid)
+            if rx is not None:
+                self.fail(rx, StreamFailedError(f"sender failed stream {sid}: {text}"),
+                          StreamState.FAILED)
+        elif t is FrameType.HEARTBEAT:
+            pass
+        elif t is FrameType.GOODBYE:
+            self.drop_conn(conn, PeerDisconnectedError(f"peer {conn.ctl.peer} closed the connection"))
+        else:
+            raise ProtocolError(f"unexpected {t.name} frame from a sender")
+
+    def reject(self, conn: _Conn, sid: int, reason: RejectReason, text: str) -> None:
+        log.warning("rejected stream %d from %s: %s", sid, conn.ctl.peer, text)
+        self.send(conn, FrameType.REJECT, pack_stream_text(sid, reason, text))
+
+    def alloc_token(self) -> int:
+        for _ in range(1 << 20):
+            token = self.next_token
+            self.next_token = token % 0xFFFFFFFF + 1
+            if token not in self.tokens_in_use:
+                self.tokens_in_use.add(token)
+                return token
+        raise TransportError("no free stream token")
+
+    def on_open(self, conn: _Conn, payload: bytes) -> None:
+        limits = self.o.config.manifest_limits
+        sid = int.from_bytes(payload[:8].ljust(8, b"\0"), "big")
+        try:
+            manifest = decode_manifest(payload, limits)
+        except ManifestError as exc:
+            self.reject(conn, sid, RejectReason.MANIFEST, str(exc))
+            return
+        if sid in conn.streams:
+            self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already active")
+            return
+        if any(sid == m.stream_id for _, c, m in self.waiting if c is conn):
+            self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already waiting")
+            return
+        self.waiting.append((self.clock.now() + self.o.config.pool_wait_s, conn, manifest))
+        self.admit_waiting(self.clock.now())
+
+    def admit_waiting(self, now: float) -> float | None:
+        """Admit waiting manifests in arrival order while the pool has room (back-pressure).
+
+        A manifest that cannot fit before its deadline (``pool_wait_s``) is
+        rejected with ``POOL_EXHAUSTED``; one larger than the whole pool at once.
+        """
+        deadline = None
+        while self.waiting:
+            until, conn, manifest = self.waiting[0]
+            if conn.ctl.closed:
+                self.waiting.popleft()
+                continue
+            try:
+                offsets = self.o.pool.allocate([r.nbytes for r in manifest.regions])
+            except PoolExhaustedError as exc:
+                too_big = manifest.total_bytes > self.o.pool.nbytes
+                if until <= now or too_big:
+                    self.waiting.popleft()
+                    try:
+                        self.reject(conn, manifest.stream_id, RejectReason.POOL_EXHAUSTED, str(exc))
+                    except TransportError as err:
+                        self.drop_conn(conn, err)
+                    continue
+                return until
+            self.waiting.popleft()
+            try:
+                self.admit(conn, manifest, offsets)
+            except TransportError as err:
+                self.drop_conn(conn, err)
+        return deadline
+
+    def admit(self, conn: _Conn, manifest: Manifest, offsets: list[int]) -> None:
+        sid = manifest.stream_id
+        regions = tuple(ReceivedRegion(r.name, r.lane, r.nbytes, off)
+                        for r, off in zip(manifest.regions, offsets))
+        handle = ReceiveStream(manifest, regions, self.o.pool, conn.ctl.peer, self.o._release_from_user)
+        rx = _RxStream(handle, self.alloc_token(), conn)
+        conn.streams[sid] = rx
+        self.o._dispatch.post(self.o._cb["on_stream_open"], handle)
+        self.o._opened.put(handle)
+        try:
+            self.post_receives(rx, manifest, regions)
+        except TransportError as exc:
+            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
+            return
+        handle._completion.activate()
+        self.send(conn, FrameType.ACCEPT, pack_stream_token(sid, rx.token))
+        self.finish_empty(rx)
+
+    def post_receives(self, rx: _RxStream, manifest: Manifest, regions: tuple[ReceivedRegion, ...]) -> None:
+        cb = manifest.chunk_bytes
+        pool = self.o.pool
+        base = rx.token << 32
+        for i, (r, first) in enumerate(zip(regions, manifest.first_chunk_indices())):
+            q = rx.pending[r.lane]
+            for k, off in enumerate(range(0, r.nbytes, cb)):
+                n = min(cb, r.nbytes - off)
+                try:
+                    req = self.worker.tag_recv(pool.view(r.offset + off, n), base | (first + k))
+                except Exception as exc:
+                    raise TransportError(f"cannot post a UCX receive: {exc}") from exc
+                q.append(_Pending(req, i, off, n))
+
+    def finish_empty(self, rx: _RxStream) -> None:
+        """Regions and lanes with no bytes are complete as soon as the stream opens."""
+        for i, r in enumerate(rx.handle.regions):
+            if r.nbytes == 0:
+                self.region_landed(rx, i)
+        for lane in sorted(rx.lanes_open):
+            if rx.lane_left[lane] == 0:
+                self.lane_landed(rx, lane)
+        if rx.left == 0:
+            self.stream_landed(rx)
+
+    # -- completion ----------------------------------------------------------------------
+    def region_landed(self, rx: _RxStream, i: int) -> None:
+        region = rx.handle.regions[i]
+        rx.handle._completion.region_done(region.name)
+        self.o._dispatch.post(self.o._cb["on_region"], rx.handle, region)
+
+    def lane_landed(self, rx: _RxStream, lane: int) -> None:
+        rx.lanes_open.discard(lane)
+        if rx.handle._completion.lane_done(lane, self.clock.now()):
+            self.send(rx.conn, FrameType.LANE_DONE, pack_stream_lane(rx.handle.stream_id, lane))
+            self.o._dispatch.post(self.o._cb["on_lane_complete"], rx.handle, lane)
+
+    def stream_landed(self, rx: _RxStream) -> None:
+        if rx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
+            self.completed += 1
+            del rx.conn.streams[rx.handle.stream_id]
+            self.tokens_in_use.discard(rx.token)
+            self.send(rx.conn, FrameType.STREAM_DONE, pack_u64(rx.handle.stream_id))
+            self.o._dispatch.post(self.o._cb["on_stream_complete"], rx.handle)
+
+    def fail(self, rx: _RxStream, exc: TransportError, state: StreamState,
+             tell_peer: bool = False) -> None:
+        h = rx.handle
+        if not h._completion.finish(state, self.clock.now(), exc):
+            return
+        self.failed += 1
+        rx.conn.streams.pop(h.stream_id, None)
+        self.tokens_in_use.discard(rx.token)
+        # Dropping a UCXRequest cancels it; blocks stay quarantined before reuse.
+        rx.pending.clear()
+        if h._mark_released():
+            self.quarantine.append((self.clock.now() + QUARANTINE_S,
+                                    [(r.offset, r.nbytes) for r in h.regions]))
+        if tell_peer and not rx.conn.ctl.closed:
+            try:
+                self.send(rx.conn, FrameType.STREAM_FAILED, pack_stream_text(h.stream_id, 0, str(exc)))
+            except TransportError:
+                pass
+        self.o._dispatch.post(self.o._cb["on_stream_failed"], h, exc)
+
+    # -- the loop body ------------------------------------------------------------------------
+    def step(self) -> tuple[bool, bool, float | None]:
+        progressed = False
+        pending = False
+        now = self.clock.now()
+        on_chunk = self.o._cb["on_chunk"]
+        for conn in list(self.conns.values()):
+            for rx in list(conn.streams.values()):
+                for lane, q in list(rx.pending.items()):
+                    while q and q[0].request.completed:
+                        p = q.popleft()
+                        progressed = True
+                        try:
+                            _ucx.check(p.request, f"stream {rx.handle.stream_id}")
+                        except TransportError as exc:
+                            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
+                            break
+                        self.counters.add(lane, p.nbytes, now)
+                        region = rx.handle.regions[p.region]
+                        if on_chunk is not None:
+                            self.o._dispatch.post(on_chunk, rx.handle, region, p.offset, p.nbytes)
+                        rx.region_left[p.region] -= p.nbytes
+                        rx.lane_left[lane] -= p.nbytes
+                        rx.left -= p.nbytes
+                        if rx.region_left[p.region] == 0:
+                            self.region_landed(rx, p.region)
+                        if rx.lane_left[lane] == 0:
+                            self.lane_landed(rx, lane)
+                        if rx.left == 0:
+                            self.stream_landed(rx)
+                    if rx.handle.state.terminal:
+                        break
+                    pending = pending or bool(q)
+        deadline = self.housekeeping(now)
+        return progressed, pending, deadline
+
+    def housekeeping(self, now: float) -> float | None:
+        cfg = self.o.config
+        deadline = now + cfg.heartbeat_interval_s
+        for conn in list(self.conns.values()):
+            try:
+                conn.ctl.flush()
+                if now - conn.ctl.last_rx > cfg.peer_timeout_s:
+                    raise PeerDisconnectedError(
+                        f"peer {conn.ctl.peer} silent for {now - conn.ctl.last_rx:.2f} s "
+                        f"(limit {cfg.peer_timeout_s} s)")
+                if conn.hello and now - conn.ctl.last_tx >= cfg.heartbeat_interval_s:
+                    self.send(conn, FrameType.HEARTBEAT)
+            except TransportError as exc:
+                self.drop_conn(conn, exc)
+                continue
+            deadline = min(deadline, conn.ctl.last_rx + cfg.peer_timeout_s)
+        if self.quarantine:
+            keep = []
+            for until, blocks in self.quarantine:
+                if until <= now:
+                    for off, n in blocks:
+                        self.o.pool.release(off, n)
+                else:
+                    keep.append((until, blocks))
+                    deadline = min(deadline, until)
+            self.quarantine = keep
+        if self.waiting:
+            until = self.admit_waiting(now)
+            if until is not None:
+                deadline = min(deadline, until)
+        return deadline
+
+    def shutdown(self) -> None:
+        for conn in list(self.conns.values()):
+            try:
+                if conn.hello:
+                    self.send(conn, FrameType.GOODBYE)
+            except TransportError:
+                pass
+            self.drop_conn(conn, ClosedError("the receiver was closed"))
+        for _, blocks in self.quarantine:
+            for off, n in blocks:
+                self.o.pool.release(off, n)
+        self.quarantine = []
+        try:
+            self.selector.unregister(self.listen)
+        except (KeyError, ValueError):
+            pass
+        self.listen.close()
+
+    def stats(self) -> TransportStats:
+        inflight: dict[int, int] = collections.defaultdict(int)
+        for conn in self.conns.values():
+            for rx in conn.streams.values():
+                for lane, q in rx.pending.items():
+                    inflight[lane] += sum(p.nbytes for p in q)
+        active = sum(len(c.streams) for c in self.conns.values())
+        return TransportStats(self.counters.snapshot({}, inflight), active, self.completed,
+                              self.failed)
+
+
+class Receiver:
+    """Accepts streams into a :class:`ReceivePool`. See the module docstring."""
+
+    def __init__(self, pool: ReceivePool, *, host: str = "127.0.0.1", port: int = 0,
+                 config: TransportConfig | None = None, clock: Clock | None = None,
+                 on_stream_open: StreamCallback | None = None,
+                 on_chunk: Callable[[ReceiveStream, ReceivedRegion, int, int], Any] | None = None,
+                 on_region: Callable[[ReceiveStream, ReceivedRegion], Any] | None = None,
+                 on_lane_complete: Callable[[ReceiveStream, int], Any] | None = None,
+                 on_stream_complete: StreamCallback | None = None,
+                 on_stream_failed: Callable[[ReceiveStream, TransportError], Any] | None = None,
+                 ) -> None:
+        self.pool = pool
+        self.config = config if config is not None else TransportConfig()
+        self.clock = clock if clock is not None else MonotonicClock()
+        self._cb = {"on_stream_open": on_stream_open, "on_chunk": on_chunk, "on_region": on_region,
+                    "on_lane_complete": on_lane_complete, "on_stream_complete": on_stream_complete,
+                    "on_stream_failed": on_stream_failed}
+        self._requested_rate: Rate | None = None
+        self._opened: queue.SimpleQueue[ReceiveStream] = queue.SimpleQueue()
+        self._closed = False
+        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listen.bind((host, port))
+            listen.listen(64)
+            listen.setblocking(False)
+        except OSError as exc:
+            listen.close()
+            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from exc
+        self._address: tuple[str, int] = listen.getsockname()[:2]
+        self._dispatch = Dispatcher("lynx-rx-callbacks")
+        try:
+            self._loop = _RxLoop(self, listen)
+        except BaseException:
+            listen.close()
+            self._dispatch.stop(1.0)
+            raise
+        self._loop.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` the control listener is bound to; give it to ``connect``."""
+        return self._address
+
+    def _call(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
+        if self._closed:
+            raise ClosedError("the receiver is closed")
+        try:
+            return self._loop.call(fn).result(timeout)
+        except TimeoutError as exc:
+            raise TransportTimeoutError(f"the receiver's I/O thread did not answer in {timeout} s") from exc
+
+    def next_stream(self, timeout: float) -> ReceiveStream:
+        """The next opened stream (manifest accepted, data may still be arriving)."""
+        try:
+            return self._opened.get(timeout=timeout)
+        except queue.Empty:
+            raise TransportTimeoutError(f"no stream opened within {timeout} s") from None
+
+    def request_rate(self, rate: Rate | None) -> None:
+        """Ask every connected (and future) sender to hold its connection to ``rate``."""
+        def apply() -> None:
+            self._requested_rate = rate
+            payload = pack_rate(rate.gbps, rate.burst_bytes) if rate else pack_rate(0.0, 0)
+            for conn in list(self._loop.conns.values()):
+                if conn.hello:
+                    try:
+                        self._loop.send(conn, FrameType.RATE, payload)
+                    except TransportError as exc:
+                        self._loop.drop_conn(conn, exc)
+        self._call(apply)
+
+    def stats(self) -> TransportStats:
+        """Per-lane bytes landed, achieved rates, bytes posted and not yet landed."""
+        return self._call(self._loop.stats)
+
+    def _release_from_user(self, stream: ReceiveStream) -> None:
+        def free() -> None:
+            for r in stream.regions:
+                self.pool.release(r.offset, r.nbytes)
+            if self._loop.alive:
+                self._loop.admit_waiting(self.clock.now())
+        if self._loop.alive:
+            self._loop.call(free).result(5.0)
+        else:
+            free()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Fail active streams (``ClosedError``), close connections, stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.stop(timeout)
+        self._dispatch.stop(timeout)
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,97 @@
+"""The sender's handle on one outgoing stream: a future completed by the receiver."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+from lynx_transport.errors import TransportError, TransportTimeoutError
+from lynx_transport.manifest import Manifest
+from lynx_transport.state import Completion, StreamState
+
+__all__ = ["SendStream"]
+
+
+class SendStream:
+    """An outgoing stream. Completes only when the receiver confirms every byte landed.
+
+    ``wait_lane(lane, timeout)`` returns once the receiver confirmed that lane;
+    ``wait(timeout)`` once it confirmed the whole stream. Both raise the
+    stream's error if it failed (e.g. ``PeerDisconnectedError``,
+    ``PoolExhaustedError``, ``ManifestError`` from the receiver) or was
+    cancelled (``StreamCancelledError``), and ``TransportTimeoutError`` when the
+    timeout passes first.
+    """
+
+    def __init__(self, manifest: Manifest, opened_at: float,
+                 call: Callable[[Callable[[], Any]], concurrent.futures.Future]) -> None:
+        self.manifest = manifest
+        self.opened_at = opened_at
+        self._completion = Completion(f"stream {manifest.stream_id}")
+        self._call = call
+        self._names = {r.name: i for i, r in enumerate(manifest.regions)}
+        # set by the connection's I/O thread
+        self._supply: Callable[[int, Any], None] | None = None
+        self._cancel: Callable[[], None] | None = None
+
+    def __repr__(self) -> str:
+        return f"SendStream(id={self.stream_id}, state={self.state.value})"
+
+    @property
+    def stream_id(self) -> int:
+        return self.manifest.stream_id
+
+    @property
+    def state(self) -> StreamState:
+        return self._completion.state
+
+    def done(self) -> bool:
+        return self.state.terminal
+
+    def exception(self) -> TransportError | None:
+        return self._completion.error
+
+    def wait(self, timeout: float) -> None:
+        """Block until the receiver confirmed the whole stream."""
+        self._completion.wait(timeout)
+
+    def wait_lane(self, lane: int, timeout: float) -> None:
+        """Block until the receiver confirmed every region on ``lane``."""
+        self._completion.wait_lane(int(lane), timeout)
+
+    @property
+    def completed_at(self) -> float | None:
+        """Monotonic time the confirmation (or the failure) arrived."""
+        return self._completion.completed_at
+
+    @property
+    def lane_completed_at(self) -> dict[int, float]:
+        return dict(self._completion.lane_completed_at)
+
+    def _run(self, fn: Callable[[], Any], timeout: float) -> Any:
+        try:
+            return self._call(fn).result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            raise TransportTimeoutError(f"the I/O thread did not answer in {timeout} s") from exc
+
+    def supply(self, name: str, buffer: Any, timeout: float = 5.0) -> None:
+        """Provide the bytes of region ``name`` (for streams opened with ``open_stream``).
+
+        The buffer must stay alive and unchanged until the stream is done.
+        """
+        if name not in self._names:
+            raise KeyError(f"stream {self.stream_id} has no region {name!r}")
+        index = self._names[name]
+        assert self._supply is not None
+        supply = self._supply
+        self._run(lambda: supply(index, buffer), timeout)
+
+    def cancel(self, timeout: float = 5.0) -> None:
+        """Stop sending; the stream ends cancelled once chunks already handed to UCX finish.
+
+        No-op on a finished stream. Returns when the cancel was requested; use
+        ``wait`` to see the final state.
+        """
+        assert self._cancel is not None
+        self._run(self._cancel, timeout)

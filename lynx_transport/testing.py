@@ -1,0 +1,181 @@
+"""Testing kit: deterministic payloads and a sender in a child process.
+
+Used by Lynx's own two-process tests and by ``lynx bench-transport``; handy for
+anyone embedding the transport. A :class:`PeerProcess` runs
+:func:`sender_server` in a ``spawn``-ed child and forwards every exception's
+full traceback to the parent (as :class:`PeerFailed`), so a failure in the
+child is never a silent hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+__all__ = ["pattern", "PeerFailed", "PeerProcess", "sender_server"]
+
+
+def pattern(seed: int, nbytes: int) -> Any:
+    """``nbytes`` reproducible pseudo-random bytes (NumPy ``uint8``) for ``seed``.
+
+    A negative seed gives zeros (cheap, for throughput runs that do not check bytes).
+    """
+    import numpy as np  # noqa: PLC0415
+
+    if seed < 0:
+        return np.zeros(nbytes, dtype=np.uint8)
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+class PeerFailed(AssertionError):
+    """The child raised; the message carries its traceback."""
+
+
+def _child(target: Any, conn: multiprocessing.connection.Connection, args: tuple) -> None:
+    try:
+        target(conn, *args)
+    except BaseException:  # noqa: BLE001 - forwarded to the parent
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:  # noqa: BLE001 - the parent may be gone
+            pass
+
+
+class PeerProcess:
+    """A child process speaking a request/response protocol over a pipe."""
+
+    def __init__(self, target: Any, *args: Any) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_child, args=(target, child, args), daemon=True)
+        self.process.start()
+        child.close()
+
+    def call(self, *request: Any, timeout: float = 60.0) -> Any:
+        """Send a request, wait (at most ``timeout`` s) for the reply, forward child errors."""
+        self._conn.send(request)
+        return self.reply(timeout)
+
+    def reply(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise PeerFailed(f"no reply from the child within {timeout} s "
+                             f"(alive={self.process.is_alive()})")
+        kind, value = self._conn.recv()
+        if kind == "error":
+            raise PeerFailed(f"the child process failed:\n{value}")
+        return value
+
+    def kill(self) -> None:
+        """SIGKILL the child (a crash, as far as its peers can tell)."""
+        if self.process.pid is not None and self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send(("exit",))
+            except OSError:
+                pass
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.kill()
+        self._conn.close()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rate(spec: tuple[float, int] | None) -> Any:
+    from lynx_transport.shaper import Rate  # noqa: PLC0415
+
+    return None if spec is None else Rate(spec[0], spec[1])
+
+
+def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[str, int],
+                  config: Any = None) -> None:
+    """Child side: connect to ``address`` and serve requests until ``("exit",)``.
+
+    Requests (tuples), each answered with ``("ok", value)``:
+
+    * ``("send", specs, metadata, timeout)`` - ``specs`` is ``[(name, nbytes, lane, seed)]``;
+      sends :func:`pattern` bytes, waits for confirmation, returns timings.
+    * ``("send_many", [(specs, metadata), ...], timeout)`` - opens all streams at once, then waits.
+    * ``("start", specs, metadata)`` - send without waiting (returns when handed off).
+    * ``("link_rate", (gbps, burst) | None)``, ``("lane_rate", lane, (gbps, burst) | None)``.
+    * ``("rates",)``, ``("stats",)``.
+    """
+    from lynx_transport.connection import connect  # noqa: PLC0415
+    from lynx_transport.errors import TransportError  # noqa: PLC0415
+
+    conn = connect(address, timeout=10.0, config=config)
+    keep: list[Any] = []  # buffers of streams in flight stay alive
+
+    def timings(stream: Any) -> dict[str, Any]:
+        opened = stream.opened_at
+        return {
+            "stream_id": stream.stream_id,
+            "state": stream.state.value,
+            "error": None if stream.exception() is None else
+            f"{type(stream.exception()).__name__}: {stream.exception()}",
+            "error_type": None if stream.exception() is None else type(stream.exception()).__name__,
+            "lane_s": {int(k): v - opened for k, v in stream.lane_completed_at.items()},
+            "total_s": None if stream.completed_at is None else stream.completed_at - opened,
+        }
+
+    def start(specs: list, metadata: bytes) -> Any:
+        buffers = [(name, pattern(seed, n), lane) for name, n, lane, seed in specs]
+        keep.append(buffers)
+        return conn.send_stream(buffers, metadata=metadata)
+
+    def finish(stream: Any, timeout: float) -> dict[str, Any]:
+        try:
+            stream.wait(timeout)
+        except TransportError:
+            pass
+        return timings(stream)
+
+    pipe.send(("ok", "connected"))
+    try:
+        while True:
+            request = pipe.recv()
+            op = request[0]
+            if op == "exit":
+                return
+            if op == "send":
+                _, specs, metadata, timeout = request
+                result: Any = finish(start(specs, metadata), timeout)
+                keep.clear()
+            elif op == "send_many":
+                _, many, timeout = request
+                streams = [start(specs, metadata) for specs, metadata in many]
+                deadline = time.monotonic() + timeout
+                result = [finish(s, max(0.0, deadline - time.monotonic())) for s in streams]
+                keep.clear()
+            elif op == "start":
+                _, specs, metadata = request
+                result = start(specs, metadata).stream_id
+            elif op == "link_rate":
+                conn.set_link_rate(_rate(request[1]))
+                result = None
+            elif op == "lane_rate":
+                conn.set_lane_rate(request[1], _rate(request[2]))
+                result = None
+            elif op == "rates":
+                result = {k: (None if v is None else (v.gbps, v.burst_bytes))
+                          for k, v in conn.rates().items()}
+            elif op == "stats":
+                result = conn.stats()
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            pipe.send(("ok", result))
+    finally:
+        conn.close()

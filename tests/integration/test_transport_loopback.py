@@ -1,0 +1,191 @@
+"""Two processes on loopback: byte-exact delivery, callbacks exactly once and after the data.
+
+The receiver runs in the test process; the sender runs in a spawned child
+(:class:`lynx_transport.testing.PeerProcess`) that forwards its traceback.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig
+from lynx_transport.testing import PeerProcess, pattern, sender_server
+
+pytestmark = pytest.mark.ucx
+
+CONFIG = TransportConfig(chunk_bytes=64 * 1024, max_inflight_bytes=256 * 1024)
+POOL_BYTES = 64 << 20
+
+
+class Recorder:
+    """Records every callback; checks in the callback thread that the bytes are already there."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: dict[int, list[tuple]] = collections.defaultdict(list)
+        self.problems: list[str] = []
+        self.finished: dict[int, threading.Event] = collections.defaultdict(threading.Event)
+
+    def expected(self, stream, name: str) -> np.ndarray:
+        spec = json.loads(stream.metadata)[name]
+        return pattern(spec["seed"], spec["nbytes"])
+
+    def _log(self, stream, *event) -> None:
+        with self.lock:
+            self.events[stream.stream_id].append(event)
+
+    def on_stream_open(self, stream) -> None:
+        self._log(stream, "open", tuple((r.name, r.nbytes, r.lane) for r in stream.regions))
+
+    def on_region(self, stream, region) -> None:
+        if not np.array_equal(stream.view(region.name), self.expected(stream, region.name)):
+            self.problems.append(f"stream {stream.stream_id} region {region.name}: "
+                                 "bytes not in place when on_region fired")
+        self._log(stream, "region", region.name)
+
+    def on_lane_complete(self, stream, lane) -> None:
+        for r in stream.regions:
+            if r.lane == lane and not stream.region_done(r.name):
+                self.problems.append(f"lane {lane} complete before region {r.name}")
+        self._log(stream, "lane", int(lane))
+
+    def on_stream_complete(self, stream) -> None:
+        self._log(stream, "complete")
+        self.finished[stream.stream_id].set()
+
+    def on_stream_failed(self, stream, error) -> None:
+        self._log(stream, "failed", repr(error))
+        self.finished[stream.stream_id].set()
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    pool = ReceivePool(POOL_BYTES)
+    rec = Recorder()
+    rx = Receiver(pool, config=CONFIG, on_stream_open=rec.on_stream_open, on_region=rec.on_region,
+                  on_lane_complete=rec.on_lane_complete, on_stream_complete=rec.on_stream_complete,
+                  on_stream_failed=rec.on_stream_failed)
+    peer = PeerProcess(sender_server, rx.address, CONFIG)
+    try:
+        assert peer.reply(60) == "connected"
+        yield pool, rx, rec, peer
+    finally:
+        peer.close()
+        rx.close()
+
+
+def make_specs(regions: list[tuple[int, int]], seed: int) -> tuple[list, bytes]:
+    specs = [(f"r{i}", n, lane, seed * 100 + i) for i, (n, lane) in enumerate(regions)]
+    meta = json.dumps({name: {"nbytes": n, "seed": s} for name, n, _, s in specs}).encode()
+    return specs, meta
+
+
+def check_stream(pool, rx, rec, specs, timeout: float = 30.0) -> None:
+    stream = rx.next_stream(timeout)
+    stream.wait(timeout)
+    assert rec.finished[stream.stream_id].wait(timeout)
+    assert stream.state is StreamState.COMPLETED
+    for name, n, lane, seed in specs:
+        view = stream.view(name)
+        assert view.nbytes == n
+        assert np.array_equal(view, pattern(seed, n)), f"region {name} differs"
+        if n:
+            # zero copy: the region's bytes live inside the pool
+            assert pool.base_address <= view.ctypes.data < pool.base_address + pool.nbytes
+    events = rec.events[stream.stream_id]
+    assert events[0] == ("open", tuple((name, n, lane) for name, n, lane, _ in specs))
+    assert sorted(e[1] for e in events if e[0] == "region") == sorted(s[0] for s in specs)
+    assert sorted(e[1] for e in events if e[0] == "lane") == sorted({s[2] for s in specs})
+    assert [e[0] for e in events].count("complete") == 1 and events[-1] == ("complete",)
+    assert not any(e[0] == "failed" for e in events)
+    assert not rec.problems, rec.problems
+    stream.release()
+
+
+_counter = iter(range(1, 1 << 30))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(regions=st.lists(st.tuples(st.one_of(st.integers(0, 3000), st.integers(0, 3 << 20)),
+                                  st.sampled_from([Lane.ANCHOR, Lane.RESIDUAL, 2])),
+                        min_size=1, max_size=6))
+def test_random_region_sets_arrive_byte_exact(loopback, regions) -> None:
+    pool, rx, rec, peer = loopback
+    specs, meta = make_specs(regions, next(_counter))
+    result = peer.call("send", specs, meta, 30.0)
+    assert result["state"] == "completed", result
+    check_stream(pool, rx, rec, specs)
+
+
+def test_many_streams_in_sequence(loopback) -> None:
+    pool, rx, rec, peer = loopback
+    for _ in range(40):
+        specs, meta = make_specs([(100_000, Lane.ANCHOR), (300_000, Lane.RESIDUAL)], next(_counter))
+        assert peer.call("send", specs, meta, 30.0)["state"] == "completed"
+        check_stream(pool, rx, rec, specs)
+    assert pool.free_bytes == pool.nbytes
+
+
+def test_several_streams_concurrently(loopback) -> None:
+    pool, rx, rec, peer = loopback
+    batch = [make_specs([(500_000 + 7 * i, Lane.RESIDUAL), (200_000, Lane.ANCHOR)], next(_counter))
+             for i in range(6)]
+    done = threading.Event()
+    results = []
+
+    def send() -> None:
+        results.extend(peer.call("send_many", batch, 60.0))
+        done.set()
+
+    t = threading.Thread(target=send)
+    t.start()
+    streams = [rx.next_stream(30) for _ in batch]
+    for s in streams:
+        s.wait(30)
+        assert rec.finished[s.stream_id].wait(30)
+        assert rec.events[s.stream_id][-1] == ("complete",)
+    assert not rec.problems, rec.problems
+    assert done.wait(60)
+    t.join()
+    assert [r["state"] for r in results] == ["completed"] * len(batch)
+    by_names = {tuple(sorted((r.name, r.nbytes) for r in s.regions)): s for s in streams}
+    for specs, _ in batch:
+        s = by_names[tuple(sorted((name, n) for name, n, _, _ in specs))]
+        for name, n, _, seed in specs:
+            assert np.array_equal(s.view(name), pattern(seed, n))
+    for s in streams:
+        s.release()
+    assert pool.free_bytes == pool.nbytes
+
+
+def test_metadata_and_manifest_are_known_before_data(loopback) -> None:
+    pool, rx, rec, peer = loopback
+    specs, meta = make_specs([(2 << 20, Lane.RESIDUAL), (1 << 20, Lane.ANCHOR)], next(_counter))
+    peer.call("link_rate", (0.5, 64 * 1024))  # slow enough that the stream is open long before done
+    try:
+        stream_id = peer.call("start", specs, meta)
+        stream = rx.next_stream(30)
+        assert stream.stream_id == stream_id
+        assert stream.metadata == meta
+        assert [(r.name, r.nbytes, r.lane) for r in stream.regions] == [s[:3] for s in specs]
+        assert stream.manifest.lanes == (Lane.ANCHOR, Lane.RESIDUAL)
+        assert not stream.region_done("r0")
+        stream.wait_lane(Lane.ANCHOR, 30)
+        assert stream.region_done("r1")
+        stream.wait(30)
+        assert rec.finished[stream.stream_id].wait(30)
+    finally:
+        peer.call("link_rate", None)
+    check_events = rec.events[stream.stream_id]
+    kinds = [e[0] for e in check_events]
+    # anchor lane before the residual region, stream completion last
+    assert kinds.index("lane") < kinds.index("complete")
+    assert check_events.index(("lane", 0)) < check_events.index(("region", "r0"))
+    stream.release()
