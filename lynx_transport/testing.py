@@ -109,7 +109,9 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
     * ``("send", specs, metadata, timeout)`` - ``specs`` is ``[(name, nbytes, lane, seed)]``;
       sends :func:`pattern` bytes, waits for confirmation, returns timings.
     * ``("send_many", [(specs, metadata), ...], timeout)`` - opens all streams at once, then waits.
-    * ``("start", specs, metadata)`` - send without waiting (returns when handed off).
+    * ``("start", specs, metadata)`` - send without waiting; returns the stream id.
+    * ``("wait", stream_id, timeout)`` - wait for a started stream; returns timings.
+    * ``("cancel", stream_id, timeout)`` - cancel a started stream, wait for its end.
     * ``("link_rate", (gbps, burst) | None)``, ``("lane_rate", lane, (gbps, burst) | None)``.
     * ``("rates",)``, ``("stats",)``.
     """
@@ -118,6 +120,7 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
 
     conn = connect(address, timeout=10.0, config=config)
     keep: list[Any] = []  # buffers of streams in flight stay alive
+    started: dict[int, Any] = {}
 
     def timings(stream: Any) -> dict[str, Any]:
         opened = stream.opened_at
@@ -162,7 +165,17 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
                 keep.clear()
             elif op == "start":
                 _, specs, metadata = request
-                result = start(specs, metadata).stream_id
+                stream = start(specs, metadata)
+                started[stream.stream_id] = stream
+                result = stream.stream_id
+            elif op == "wait":
+                _, stream_id, timeout = request
+                result = finish(started.pop(stream_id), timeout)
+            elif op == "cancel":
+                _, stream_id, timeout = request
+                stream = started.pop(stream_id)
+                stream.cancel()
+                result = finish(stream, timeout)
             elif op == "link_rate":
                 conn.set_link_rate(_rate(request[1]))
                 result = None

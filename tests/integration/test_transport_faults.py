@@ -1,0 +1,244 @@
+"""Faults: dead ports, silent peers, killed senders, hostile or oversized manifests, a full pool."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
+from lynx_transport.errors import (ConnectError, PeerDisconnectedError, StreamCancelledError)
+from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
+from lynx_transport.testing import PeerProcess, pattern, sender_server
+from lynx_transport.wire import (FrameDecoder, FrameType, RejectReason, encode_frame,
+                                 unpack_stream_text, unpack_stream_token)
+
+pytestmark = pytest.mark.ucx
+
+CONFIG = TransportConfig(chunk_bytes=64 * 1024, max_inflight_bytes=256 * 1024)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connect_to_a_port_where_nobody_listens_fails_fast() -> None:
+    start = time.monotonic()
+    with pytest.raises(ConnectError, match="cannot connect"):
+        connect(("127.0.0.1", free_port()), timeout=2.0)
+    assert time.monotonic() - start < 2.0
+
+
+def test_connect_to_a_silent_listener_fails_within_the_timeout() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        start = time.monotonic()
+        with pytest.raises(ConnectError, match="handshake"):
+            connect(silent.getsockname(), timeout=0.5)
+        assert 0.4 < time.monotonic() - start < 1.5
+
+
+def start_receiver(pool: ReceivePool, config: TransportConfig = CONFIG, **callbacks) -> Receiver:
+    return Receiver(pool, config=config, **callbacks)
+
+
+def spawn_sender(rx: Receiver, config: TransportConfig = CONFIG) -> PeerProcess:
+    peer = PeerProcess(sender_server, rx.address, config)
+    assert peer.reply(60) == "connected"
+    return peer
+
+
+def test_sender_killed_mid_stream_fails_the_stream_within_two_seconds() -> None:
+    pool = ReceivePool(128 << 20)
+    landed = threading.Event()
+    outcomes: list[str] = []
+    rx = start_receiver(pool, on_chunk=lambda s, r, off, n: landed.set(),
+                        on_stream_complete=lambda s: outcomes.append("complete"),
+                        on_stream_failed=lambda s, e: outcomes.append(type(e).__name__))
+    try:
+        peer = spawn_sender(rx)
+        peer.call("link_rate", (0.5, 64 * 1024))  # 64 MiB take ~1 s: plenty of time to kill
+        peer.call("start", [("big", 64 << 20, Lane.RESIDUAL, -1)], b"")
+        stream = rx.next_stream(30)
+        assert landed.wait(30), "no chunk landed"
+        killed = time.monotonic()
+        peer.kill()
+        with pytest.raises(PeerDisconnectedError):
+            stream.wait(timeout=5)
+        assert time.monotonic() - killed < 2.0
+        assert stream.state is StreamState.FAILED
+        deadline = time.monotonic() + 5
+        while pool.free_bytes != pool.nbytes and time.monotonic() < deadline:
+            time.sleep(0.01)  # probe: the failed stream's regions come back after quarantine
+        assert pool.free_bytes == pool.nbytes
+        assert outcomes == ["PeerDisconnectedError"]
+        # the receiver serves the next sender
+        with spawn_sender(rx) as peer2:
+            result = peer2.call("send", [("a", 1 << 20, Lane.ANCHOR, 5)], b"", 30.0)
+            assert result["state"] == "completed"
+            nxt = rx.next_stream(30)
+            assert np.array_equal(nxt.view("a"), pattern(5, 1 << 20))
+            nxt.release()
+    finally:
+        rx.close()
+
+
+def test_receiver_closed_mid_stream_fails_the_senders_stream() -> None:
+    pool = ReceivePool(128 << 20)
+    rx = start_receiver(pool)
+    with spawn_sender(rx) as peer:
+        peer.call("link_rate", (0.5, 64 * 1024))
+        sid = peer.call("start", [("big", 64 << 20, Lane.RESIDUAL, -1)], b"")
+        stream = rx.next_stream(30)
+        rx.close()
+        assert stream.state is StreamState.FAILED
+        result = peer.call("wait", sid, 10.0)
+        assert result["state"] == "failed"
+        assert result["error_type"] == "PeerDisconnectedError"
+
+
+def test_cancelled_stream_ends_cancelled_on_both_sides_and_frees_the_pool() -> None:
+    pool = ReceivePool(128 << 20)
+    landed = threading.Event()
+    rx = start_receiver(pool, on_chunk=lambda s, r, off, n: landed.set())
+    try:
+        with spawn_sender(rx) as peer:
+            peer.call("link_rate", (0.5, 64 * 1024))
+            sid = peer.call("start", [("big", 32 << 20, Lane.RESIDUAL, -1)], b"")
+            stream = rx.next_stream(30)
+            assert landed.wait(30)
+            result = peer.call("cancel", sid, 10.0)
+            assert result["state"] == "cancelled" and result["error_type"] == "StreamCancelledError"
+            with pytest.raises(StreamCancelledError):
+                stream.wait(5)
+            assert stream.state is StreamState.CANCELLED
+            peer.call("link_rate", None)
+            assert peer.call("send", [("a", 4096, Lane.ANCHOR, 1)], b"", 30.0)["state"] == "completed"
+            rx.next_stream(30).release()
+        deadline = time.monotonic() + 5
+        while pool.free_bytes != pool.nbytes and time.monotonic() < deadline:
+            time.sleep(0.01)  # probe
+        assert pool.free_bytes == pool.nbytes
+    finally:
+        rx.close()
+
+
+class RawPeer:
+    """A hand-written control-channel client: what a hostile or buggy peer can send."""
+
+    def __init__(self, address) -> None:
+        self.sock = socket.create_connection(address, timeout=5)
+        self.decoder = FrameDecoder(1 << 20)
+        self.frames: list = []
+
+    def send(self, ftype: FrameType, payload: bytes) -> None:
+        self.sock.sendall(encode_frame(ftype, payload))
+
+    def expect(self, ftype: FrameType):
+        while True:
+            for i, f in enumerate(self.frames):
+                if f.type is ftype:
+                    return self.frames.pop(i)
+            data = self.sock.recv(65536)
+            assert data, f"connection closed while waiting for {ftype.name}"
+            self.frames.extend(self.decoder.feed(data))
+
+
+def test_malformed_and_oversized_manifests_are_rejected_and_the_connection_stays_usable() -> None:
+    pool = ReceivePool(16 << 20)
+    rx = start_receiver(pool)
+    try:
+        raw = RawPeer(rx.address)
+        raw.send(FrameType.HELLO, b"")
+        raw.expect(FrameType.WELCOME)
+        # garbage manifest
+        raw.send(FrameType.OPEN, struct.pack("!QIII", 7, 65536, 0xFFFF_FFFF, 0))
+        sid, code, text = unpack_stream_text(raw.expect(FrameType.REJECT).payload)
+        assert (sid, code) == (7, RejectReason.MANIFEST) and "regions exceed" in text
+        # a region past the end of the payload (truncated)
+        raw.send(FrameType.OPEN, struct.pack("!QIII", 8, 65536, 1, 0) + b"\x00\x00")
+        sid, code, text = unpack_stream_text(raw.expect(FrameType.REJECT).payload)
+        assert (sid, code) == (8, RejectReason.MANIFEST) and "truncated" in text
+        # a frame far larger than any manifest may be: skipped, never buffered
+        big = rx.config.manifest_limits.max_encoded_bytes + 1000
+        raw.send(FrameType.OPEN, (9).to_bytes(8, "big") + bytes(big - 8))
+        sid, code, text = unpack_stream_text(raw.expect(FrameType.REJECT).payload)
+        assert (sid, code) == (9, RejectReason.MANIFEST) and "exceeds" in text
+        # a valid (empty-region) stream on the same connection still completes
+        ok = Manifest(10, 65536, (RegionSpec("e", 0, Lane.ANCHOR),), b"meta")
+        raw.send(FrameType.OPEN, encode_manifest(ok, ManifestLimits()))
+        assert unpack_stream_token(raw.expect(FrameType.ACCEPT).payload)[0] == 10
+        raw.expect(FrameType.STREAM_DONE)
+        rx.next_stream(5).release()
+        assert pool.free_bytes == pool.nbytes
+        # bad magic: that connection is dropped, the receiver carries on
+        raw.sock.sendall(b"JUNK" + bytes(8))
+        while raw.sock.recv(65536):  # heartbeats may still be queued; then EOF
+            pass
+        raw.sock.close()
+        with spawn_sender(rx) as peer:
+            assert peer.call("send", [("a", 3 << 20, Lane.RESIDUAL, 3)], b"", 30.0)["state"] == "completed"
+            s = rx.next_stream(30)
+            assert np.array_equal(s.view("a"), pattern(3, 3 << 20))
+            s.release()
+    finally:
+        rx.close()
+
+
+def test_manifest_over_the_receivers_limits_is_refused_then_the_next_stream_works() -> None:
+    strict = TransportConfig(chunk_bytes=64 * 1024, max_inflight_bytes=256 * 1024,
+                             manifest_limits=ManifestLimits(max_regions=4, max_metadata_bytes=64))
+    pool = ReceivePool(16 << 20)
+    rx = start_receiver(pool, config=strict)
+    try:
+        with spawn_sender(rx) as peer:
+            many = [(f"r{i}", 1000, Lane.ANCHOR, i) for i in range(6)]
+            result = peer.call("send", many, b"", 30.0)
+            assert result["state"] == "failed" and result["error_type"] == "ManifestError"
+            assert "regions exceed" in result["error"]
+            result = peer.call("send", [("a", 1000, Lane.ANCHOR, 1)], b"x" * 65, 30.0)
+            assert result["error_type"] == "ManifestError" and "metadata" in result["error"]
+            result = peer.call("send", [("a", 1 << 20, Lane.ANCHOR, 1)], b"ok", 30.0)
+            assert result["state"] == "completed"
+            s = rx.next_stream(30)
+            assert np.array_equal(s.view("a"), pattern(1, 1 << 20))
+            s.release()
+            assert pool.free_bytes == pool.nbytes
+    finally:
+        rx.close()
+
+
+def test_pool_exhaustion_waits_for_space_then_fails_with_a_clear_error() -> None:
+    cfg = TransportConfig(chunk_bytes=64 * 1024, max_inflight_bytes=256 * 1024, pool_wait_s=0.3)
+    pool = ReceivePool(4 << 20)
+    rx = start_receiver(pool, config=cfg)
+    try:
+        with spawn_sender(rx, cfg) as peer:
+            # larger than the whole pool: refused at once
+            result = peer.call("send", [("a", 5 << 20, Lane.ANCHOR, -1)], b"", 30.0)
+            assert result["error_type"] == "PoolExhaustedError"
+            # fits, but the pool is held by an unreleased stream: refused after pool_wait_s
+            assert peer.call("send", [("a", 3 << 20, Lane.ANCHOR, -1)], b"", 30.0)["state"] == "completed"
+            held = rx.next_stream(30)
+            start = time.monotonic()
+            result = peer.call("send", [("b", 3 << 20, Lane.ANCHOR, -1)], b"", 30.0)
+            assert result["error_type"] == "PoolExhaustedError", result
+            assert "release finished streams" in result["error"]
+            assert time.monotonic() - start >= 0.3
+            assert np.all(held.view("a") == 0)  # live data untouched
+            # back-pressure: a stream waiting for room is admitted when room appears
+            sid = peer.call("start", [("c", 3 << 20, Lane.ANCHOR, 4)], b"")
+            held.release()
+            assert peer.call("wait", sid, 30.0)["state"] == "completed"
+            s = rx.next_stream(30)
+            assert np.array_equal(s.view("c"), pattern(4, 3 << 20))
+            s.release()
+    finally:
+        rx.close()
