@@ -18,23 +18,29 @@ Format (per layer, ``[kv_heads, tokens, head_dim]`` K and V):
 
 Where regions sit is described by :class:`LayerLayout` (:mod:`lynx_decode.codec_layout`).
 
-Choice of split (anchor-only relative error ``||x - x_hat|| / ||x||``, mean over
-the 30 layers of SmolLM2-135M at 2014 prompt tokens, fp32, groups 64/64; measured
-by ``pytest -m "bench and model" tests/bench/test_codec_bench.py -s``)::
+Choice of split. Anchor-only relative error ``||x - x_hat|| / ||x||``, mean over
+the 30 layers of SmolLM2-135M-Instruct on a 2048-token English prompt (fp32, K
+after RoPE, groups 64/64). Command:
+``pytest -m "bench and model" tests/bench/test_codec_bench.py -s -p no:randomly``::
 
-    b  split           anchor K   anchor V   full INT8 K / V
-    4  MSB (centre)    4.25 %     10.20 %    0.255 % / 0.613 %
-    4  MSB (1<<(r-1))  4.27 %     10.26 %
-    4  ROUNDED         4.36 %     10.47 %    0.271 % / 0.651 %
-    3  MSB (centre)    8.51 %     20.46 %
-    3  ROUNDED         9.31 %     22.35 %
-    2  MSB (centre)   16.97 %     40.90 %
-    2  ROUNDED        21.99 %     52.09 %
-    6  MSB (centre)    1.05 %      2.51 %
-    6  ROUNDED         1.13 %      2.70 %
+    b  split              anchor K   anchor V   anchor+residual (= INT8) K / V
+    2  MSB (centre)       17.21 %    40.34 %    0.259 % / 0.605 %
+    2  ROUNDED            22.25 %    51.37 %    0.343 % / 0.802 %
+    3  MSB (centre)        8.62 %    20.15 %    0.259 % / 0.605 %
+    3  ROUNDED             9.42 %    22.05 %    0.294 % / 0.687 %
+    4  MSB (centre)        4.29 %    10.05 %    0.259 % / 0.605 %
+    4  MSB (1 << (r-1))    4.32 %    10.11 %
+    4  ROUNDED             4.41 %    10.32 %    0.274 % / 0.642 %
+    5  MSB (centre)        2.14 %     5.00 %    0.259 % / 0.605 %
+    5  ROUNDED             2.17 %     5.08 %    0.266 % / 0.621 %
+    6  MSB (centre)        1.06 %     2.47 %    0.259 % / 0.605 %
+    6  MSB (1 << (r-1))    1.15 %     2.69 %
+    6  ROUNDED             1.14 %     2.66 %    0.261 % / 0.611 %
 
-MSB with centre reconstruction wins at every b (and keeps the plain full-range
-INT8 grid), so it is the default; ``Split.ROUNDED`` (QuantSpec-style) stays
+MSB with centre reconstruction (code ``a * 2**r + (2**r - 1)/2``, slightly better
+than the integer midpoint ``(a << r) | (1 << (r-1))``) wins at every b, and keeps
+the plain full-range INT8 grid (ROUNDED's stretched grid also costs full-INT8
+accuracy), so it is the default; ``Split.ROUNDED`` (QuantSpec-style) stays
 selectable for the speculative-decoding comparison.
 """
 

