@@ -19,12 +19,13 @@ from typing import Any, Callable
 import numpy as np
 from numba import njit, prange
 
-from lynx_kernels._nt import stream_store
+from lynx_kernels._nt import store_fence, stream_store
 
 __all__ = ["split_kernel", "merge_kernel", "unpack_kernel", "pack_kernel", "WIDTHS"]
 
 WIDTHS = (2, 3, 4, 5, 6)
 _REP = 0x0101010101010101
+_CHUNK = 2048  # blocks per parallel work item (128 KiB of codes); each item ends with a fence
 
 
 @njit(inline="always", cache=True)
@@ -63,34 +64,46 @@ def _split(codes, anchor, residual, wa, wr):  # pragma: no cover - compiled
     rep = np.uint64(_REP)
     amask = np.uint64((1 << wa) - 1) * rep
     rmask = np.uint64((1 << wr) - 1) * rep
-    for blk in prange(codes.size // 8):
-        for m in range(wa):
-            stream_store(anchor, blk * wa + m, _pack_word(codes, blk * 8, wr, amask, wa, m))
-        for m in range(wr):
-            stream_store(residual, blk * wr + m, _pack_word(codes, blk * 8, 0, rmask, wr, m))
+    nblk = codes.size // 8
+    for chunk in prange((nblk + _CHUNK - 1) // _CHUNK):
+        for blk in range(chunk * _CHUNK, min(nblk, (chunk + 1) * _CHUNK)):
+            for m in range(wa):
+                stream_store(anchor, blk * wa + m, _pack_word(codes, blk * 8, wr, amask, wa, m))
+            for m in range(wr):
+                stream_store(residual, blk * wr + m, _pack_word(codes, blk * 8, 0, rmask, wr, m))
+        store_fence()
 
 
 @njit(inline="always", cache=True)
 def _merge(anchor, residual, codes, wa, wr):  # pragma: no cover - compiled
-    for blk in prange(codes.size // 8):
-        for i in range(8):
-            high = _unpack_word(anchor, blk * wa, wa, i) << np.uint64(wr)
-            stream_store(codes, blk * 8 + i, high | _unpack_word(residual, blk * wr, wr, i))
+    nblk = codes.size // 8
+    for chunk in prange((nblk + _CHUNK - 1) // _CHUNK):
+        for blk in range(chunk * _CHUNK, min(nblk, (chunk + 1) * _CHUNK)):
+            for i in range(8):
+                high = _unpack_word(anchor, blk * wa, wa, i) << np.uint64(wr)
+                stream_store(codes, blk * 8 + i, high | _unpack_word(residual, blk * wr, wr, i))
+        store_fence()
 
 
 @njit(inline="always", cache=True)
 def _unpack(packed, values, w):  # pragma: no cover - compiled
-    for blk in prange(values.size // 8):
-        for i in range(8):
-            stream_store(values, blk * 8 + i, _unpack_word(packed, blk * w, w, i))
+    nblk = values.size // 8
+    for chunk in prange((nblk + _CHUNK - 1) // _CHUNK):
+        for blk in range(chunk * _CHUNK, min(nblk, (chunk + 1) * _CHUNK)):
+            for i in range(8):
+                stream_store(values, blk * 8 + i, _unpack_word(packed, blk * w, w, i))
+        store_fence()
 
 
 @njit(inline="always", cache=True)
 def _pack(values, packed, w):  # pragma: no cover - compiled
     mask = np.uint64((1 << w) - 1) * np.uint64(_REP)
-    for blk in prange(values.size // 8):
-        for m in range(w):
-            stream_store(packed, blk * w + m, _pack_word(values, blk * 8, 0, mask, w, m))
+    nblk = values.size // 8
+    for chunk in prange((nblk + _CHUNK - 1) // _CHUNK):
+        for blk in range(chunk * _CHUNK, min(nblk, (chunk + 1) * _CHUNK)):
+            for m in range(w):
+                stream_store(packed, blk * w + m, _pack_word(values, blk * 8, 0, mask, w, m))
+        store_fence()
 
 
 # One kernel per width (constants fold); codes/values are uint64[8*nblk], packed uint64[w*nblk].

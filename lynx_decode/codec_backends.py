@@ -14,6 +14,7 @@ Code buffers handed between ops are flat uint8 arrays padded with zeros to whole
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -110,8 +111,23 @@ def _words(a: Any) -> Any:
     return a.view(np.uint64)
 
 
+_NUMBA_LOCK = threading.Lock()
+
+
+def _locked(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        # Numba's parallel kernels already use every core, and its fallback threading
+        # layer (workqueue) aborts on concurrent launches: run one kernel at a time.
+        with _NUMBA_LOCK:
+            return fn(*args)
+
+    return run
+
+
 class NumbaOps(Ops):
-    """Numba CPU kernels (``parallel=True``, cached on disk)."""
+    """Numba CPU kernels (``parallel=True``, cached on disk). Safe to call from
+    several threads: kernel launches are serialised."""
 
     name = "numba"
 
@@ -129,27 +145,34 @@ class NumbaOps(Ops):
         lo = np.empty(shape, np.float32)
         hi = np.empty(shape, np.float32)
         bad = np.zeros(shape[0] * shape[1], np.bool_)
-        (self._quant.minmax_k if kind == "k" else self._quant.minmax_v)(x, group, lo, hi, bad)
+        with _NUMBA_LOCK:
+            (self._quant.minmax_k if kind == "k" else self._quant.minmax_v)(x, group, lo, hi, bad)
         if bad.any():
             raise CodecError(f"{what} contains non-finite values (NaN or inf) in {int(bad.sum())} quantization group(s)")
         return lo, hi
 
+    @_locked
     def quantize(self, x: Any, inv: Any, zero: Any, group: int, kind: str, levels: int, out: Any) -> None:
         (self._quant.quantize_k if kind == "k" else self._quant.quantize_v)(x, inv, zero, group, levels, out)
 
+    @_locked
     def dequant(self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any) -> None:
         fn = self._quant.dequant_k if kind == "k" else self._quant.dequant_v
         fn(values, np.float32(1 << shift), np.float32(offset), scale, zero, group, out)
 
+    @_locked
     def split(self, codes: Any, bits: int, anchor: Any, residual: Any) -> None:
         self._pack.split_kernel(bits)(_words(codes), _words(anchor), _words(residual))
 
+    @_locked
     def merge(self, anchor: Any, residual: Any, bits: int, codes: Any) -> None:
         self._pack.merge_kernel(bits)(_words(anchor), _words(residual), _words(codes))
 
+    @_locked
     def pack(self, values: Any, width: int, packed: Any) -> None:
         self._pack.pack_kernel(width)(_words(values), _words(packed))
 
+    @_locked
     def unpack(self, packed: Any, width: int, values: Any) -> None:
         self._pack.unpack_kernel(width)(_words(packed), _words(values))
 

@@ -195,3 +195,16 @@ def test_decode_rejects_bad_buffers_and_outputs(kv) -> None:
 
 def test_public_namespace() -> None:
     assert {"encode_layer", "decode_layer", "CodecConfig", "Scheme", "CacheLayout"} <= set(lynx_decode.__all__)
+
+
+def test_concurrent_decodes_from_threads_agree(kv) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    enc = encode_layer(*kv)
+    a, r = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+    want = decode_layer(enc.layout, a, r)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: decode_layer(enc.layout, a, r), range(16)))
+    for got in results:
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
