@@ -296,6 +296,12 @@ class CacheLayout:
                 return off
         raise LayoutError(f"layer {layer} has no buffer on stream {stream.value}")
 
+    def span(self, layer: int, stream: Stream) -> tuple[int, int]:
+        """``(start, end)`` of layer ``layer``'s buffer in the cache's ``stream``:
+        ``decode_layer(cache.layers[i], anchor_stream[slice(*cache.span(i, Stream.ANCHOR))])``."""
+        start = self.offset(layer, stream)
+        return start, start + self.layers[layer].stream_size(stream)
+
     def stream_size(self, stream: Stream) -> int:
         """Total bytes of the cache on ``stream``."""
         return max(

@@ -208,3 +208,23 @@ def test_concurrent_decodes_from_threads_agree(kv) -> None:
     for got in results:
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_whole_cache_in_one_buffer_per_stream(kv) -> None:
+    from lynx_decode import CacheLayout
+
+    configs = [CodecConfig(bits=4), CodecConfig(Scheme.INT8), CodecConfig(bits=3), CodecConfig(Scheme.BF16)]
+    encoded = [encode_layer(kv[0] * (i + 1), kv[1], c) for i, c in enumerate(configs)]
+    cache = CacheLayout.from_bytes(CacheLayout.of(e.layout for e in encoded).to_bytes())
+    streams = {s: np.zeros(cache.stream_size(s), np.uint8) for s in Stream}
+    for i, e in enumerate(encoded):  # what the sender puts on the wire
+        for s, buf in e.buffers.items():
+            streams[s][slice(*cache.span(i, s))] = buf
+    for i, e in enumerate(encoded):  # what the receiver decodes
+        layer = cache.layers[i]
+        anchor = streams[Stream.ANCHOR][slice(*cache.span(i, Stream.ANCHOR))]
+        residual = streams[Stream.RESIDUAL][slice(*cache.span(i, Stream.RESIDUAL))] if Stream.RESIDUAL in layer.streams else None
+        got = decode_layer(layer, anchor, residual)
+        want = decode_layer(e.layout, e.buffers[Stream.ANCHOR], e.buffers.get(Stream.RESIDUAL))
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
