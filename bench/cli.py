@@ -22,6 +22,9 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("lynx_bench.info", "show versions and which backends are available"),
     "link": ("lynx_bench.link_cli", "emulated network link: two namespaces, veth, tc shaping"),
+    "passkey": ("lynx_bench.workload_cli", "pass-key accuracy of the full-precision model per context and depth"),
+    "serve": ("lynx_bench.serve_cli", "run a prefill node: prefill prompts and stream their KV caches"),
+    "generate": ("lynx_bench.generate_cli", "run a decode node: fetch a prompt's KV cache and generate"),
 }
 
 _EXTRA_HINT = {

@@ -1,0 +1,92 @@
+"""``lynx generate``: the decode node. Asks a prefill node for a prompt's KV cache,
+decodes it (speculatively on the anchors for ``--scheme lynx``) and writes the
+metrics, the text and the token ids to ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from lynx_bench.node_args import add_model_arguments, host_port, load_model
+from lynx_transport.errors import ConfigError, PromptError
+
+__all__ = ["add_arguments", "run"]
+
+SCHEMES = ("lynx", "int8", "int4", "bf16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT",
+                        help="the prefill node (`lynx serve` prints its address)")
+    parser.add_argument("--prompt-file", required=True, type=Path, metavar="FILE",
+                        help="UTF-8 prompt text")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt in the model's chat template")
+    parser.add_argument("--scheme", choices=SCHEMES, default="lynx")
+    parser.add_argument("--anchor-bits", type=int, default=4, choices=range(2, 7), metavar="B",
+                        help="anchor bits for --scheme lynx (2..6, default 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    parser.add_argument("--max-draft", type=int, default=None, metavar="K",
+                        help="most tokens drafted before verification (default: the engine's)")
+    parser.add_argument("--bandwidth", type=float, default=None, metavar="GBPS",
+                        help="ask the sender to shape this stream's link to GBPS Gbit/s")
+    parser.add_argument("--check", action="store_true",
+                        help="also decode on the plain INT8 cache and report equal_to_int8")
+    parser.add_argument("--json", type=Path, required=True, metavar="OUT",
+                        help="write metrics, text and tokens here")
+    parser.add_argument("--listen-host", default="127.0.0.1", metavar="HOST",
+                        help="address the prefill node connects back to (default 127.0.0.1)")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="S")
+    add_model_arguments(parser)
+
+
+def _validate(args: argparse.Namespace) -> str:
+    if args.bandwidth is not None and not (args.bandwidth > 0 and math.isfinite(args.bandwidth)):
+        raise ConfigError(f"--bandwidth: {args.bandwidth} is not a positive number of Gbit/s")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    if args.max_draft is not None and args.max_draft < 0:
+        raise ConfigError(f"--max-draft: must be >= 0, got {args.max_draft}")
+    try:
+        text = args.prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--prompt-file: cannot read {args.prompt_file}: {exc}") from None
+    if not args.json.parent.is_dir():
+        raise ConfigError(f"--json: folder {args.json.parent} does not exist")
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    server = host_port(args.connect, flag="--connect")
+    text = _validate(args)
+    model = load_model(args)
+    from lynx_decode.codec_config import Scheme  # noqa: PLC0415
+    from lynx_decode.decode_node import DecodeNode  # noqa: PLC0415
+    from lynx_decode.speculative import DEFAULT_MAX_DRAFT  # noqa: PLC0415
+
+    ids = model.chat_prompt(text) if args.chat else model.tokenize(text)
+    limit = model.info.max_positions
+    if len(ids) + args.max_new_tokens > limit:
+        raise PromptError(f"the prompt has {len(ids)} tokens; with {args.max_new_tokens} new tokens "
+                          f"it exceeds the model's context window of {limit}")
+    max_draft = DEFAULT_MAX_DRAFT if args.max_draft is None else args.max_draft
+    with DecodeNode(model, host=args.listen_host, timeout_s=args.timeout) as node:
+        result = node.run(server, ids, scheme=Scheme(args.scheme), anchor_bits=args.anchor_bits,
+                          max_new_tokens=args.max_new_tokens, bandwidth_gbps=args.bandwidth,
+                          max_draft=max_draft)
+        out = dict(result.metrics)
+        out.update(text=result.text, tokens=list(result.tokens))
+        if args.check:
+            ref = node.run(server, ids, scheme=Scheme.INT8, max_new_tokens=args.max_new_tokens)
+            out["equal_to_int8"] = list(ref.tokens) == list(result.tokens)
+            out["int8_tokens"] = list(ref.tokens)
+    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    summary = (f"{args.scheme}: ttft_s={out['ttft_s']:.3f} ttfct_s={out['ttfct_s']:.3f} "
+               f"e2e_s={out['e2e_s']:.3f} tokens={len(result.tokens)}")
+    if args.check:
+        summary += f" equal_to_int8={out['equal_to_int8']}"
+    print(summary)
+    print(result.text)
+    return 0 if out.get("equal_to_int8", True) or args.scheme != "lynx" else 1

@@ -1,0 +1,231 @@
+"""The decode node: asks a prefill node for a prompt's KV cache, receives it into
+a pre-registered pool, and decodes (speculatively on the anchors for LYNX).
+
+Threads: the transport's callback thread runs :class:`KVAssembler` (dequantizes
+each landed region into the draft/full cache); :meth:`DecodeNode.run` runs the
+decode engine in the caller's thread. One run at a time per node.
+
+Metrics (DESIGN.md names): ``ttft_s``, ``ttfct_s`` and ``e2e_s`` count from the
+prefill node's ``t0_unix`` (sent in the KV header) on the shared wall clock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from lynx_decode.codec_config import Scheme
+from lynx_decode.events import Event, Tentative
+from lynx_decode.kvstream import KVAssembler
+from lynx_decode.model.protocol import CausalLM
+from lynx_decode.request import KVRequest, PromptKind, parse_error_reply
+from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, generate
+from lynx_transport import (Lane, ReceivedRegion, ReceivePool, Receiver, ReceiveStream,
+                            TransportConfig, connect)
+from lynx_transport.errors import DecodeError, LynxError, StreamFailedError, TransportError
+
+__all__ = ["DecodeNode", "RunResult"]
+
+log = logging.getLogger("lynx_decode.decode")
+
+DEFAULT_POOL_BYTES = 512 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """One generation: the tokens, the text and the metrics (DESIGN.md names)."""
+
+    tokens: tuple[int, ...]
+    text: str
+    metrics: dict[str, Any]
+
+
+class DecodeNode:
+    """Receives KV streams from prefill nodes and decodes them.
+
+    ``host``: the address prefill nodes connect back to (127.0.0.1 unless the
+    nodes sit in different network namespaces). ``pool_bytes``: the receive pool,
+    allocated once; it must hold one whole stream.
+    """
+
+    def __init__(self, model: CausalLM, *, host: str = "127.0.0.1",
+                 pool_bytes: int = DEFAULT_POOL_BYTES, config: TransportConfig | None = None,
+                 timeout_s: float = 120.0) -> None:
+        self.model = model
+        self.timeout_s = timeout_s
+        self._pending: dict[str, cf.Future[KVAssembler]] = {}
+        self._assemblers: dict[int, KVAssembler] = {}
+        self._lane_done: dict[int, dict[int, float]] = {}
+        self._lock = threading.Lock()
+        self._receiver = Receiver(
+            ReceivePool(pool_bytes), host=host, config=config,
+            on_stream_open=self._on_open, on_region=self._on_region,
+            on_lane_complete=self._on_lane, on_stream_failed=self._on_failed)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._receiver.address
+
+    # -- transport callbacks (callback thread) ------------------------------------------------
+    def _on_open(self, stream: ReceiveStream) -> None:
+        error = parse_error_reply(stream.metadata)
+        if error is not None:
+            request_id, message = error
+            stream.release()
+            with self._lock:
+                future = self._pending.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(DecodeError(f"the prefill node refused the request: {message}"))
+            return
+        try:
+            assembler = KVAssembler(stream, self.model.info, headroom=self._headroom)
+        except LynxError as exc:
+            log.warning("rejecting KV stream %d from %s: %s", stream.stream_id, stream.peer, exc)
+            request_id = _request_id_of(stream)
+            stream.release()
+            with self._lock:
+                future = self._pending.pop(request_id, None) if request_id else None
+            if future is not None and not future.done():
+                future.set_exception(exc)
+            return
+        with self._lock:
+            self._assemblers[stream.stream_id] = assembler
+            self._lane_done[stream.stream_id] = {}
+            future = self._pending.pop(assembler.header.request_id, None)
+        if future is None:
+            log.warning("KV stream %d answers no pending request; dropping it", stream.stream_id)
+            assembler.fail(DecodeError("no request for this stream"))
+            return
+        future.set_result(assembler)
+
+    def _on_region(self, stream: ReceiveStream, region: ReceivedRegion) -> None:
+        assembler = self._assemblers.get(stream.stream_id)
+        if assembler is not None:
+            assembler.on_region(region)
+
+    def _on_lane(self, stream: ReceiveStream, lane: int) -> None:
+        done = self._lane_done.get(stream.stream_id)
+        if done is not None:
+            done[lane] = time.time()
+
+    def _on_failed(self, stream: ReceiveStream, error: TransportError) -> None:
+        assembler = self._assemblers.get(stream.stream_id)
+        if assembler is not None:
+            assembler.on_failed(error)
+
+    # -- one run ---------------------------------------------------------------------------
+    _headroom = 64
+
+    def run(self, server: tuple[str, int], prompt: str | list[int], *, scheme: Scheme,
+            max_new_tokens: int = 32, anchor_bits: int = 4, kind: PromptKind = "text",
+            bandwidth_gbps: float | None = None, max_draft: int = DEFAULT_MAX_DRAFT,
+            on_event: Callable[[Event], None] | None = None) -> RunResult:
+        """Request ``prompt``'s cache from ``server`` and decode ``max_new_tokens`` tokens.
+
+        Raises :class:`DecodeError` (the prefill node refused, the stream does not
+        fit the model, a timeout) or a :class:`TransportError` (connection lost);
+        tokens reported as tentative before a failure are never committed.
+        """
+        request_id = uuid.uuid4().hex
+        if isinstance(prompt, str):
+            payload = prompt.encode("utf-8")
+        else:
+            kind = "ids"
+            payload = np.asarray(prompt, dtype="<i4").tobytes()
+        request = KVRequest(request_id, scheme, anchor_bits, kind, self.address, bandwidth_gbps)
+        self._headroom = max_new_tokens + max_draft + 2
+        future: cf.Future[KVAssembler] = cf.Future()
+        with self._lock:
+            self._pending[request_id] = future
+        try:
+            with connect(server, timeout=10.0) as conn:
+                conn.send_stream([("prompt", np.frombuffer(payload, np.uint8), int(Lane.ANCHOR))],
+                                 metadata=request.to_metadata()).wait(self.timeout_s)
+            assembler = _result(future, self.timeout_s, "the KV stream did not open")
+        finally:
+            with self._lock:
+                self._pending.pop(request_id, None)
+        stream = assembler.stream
+        first_token: list[float] = []
+
+        def events(event: Event) -> None:
+            if isinstance(event, Tentative) and not first_token:
+                first_token.append(time.time())
+            if on_event is not None:
+                on_event(event)
+
+        try:
+            ids = assembler.prompt_ids(self.timeout_s)
+            config = DecodeConfig(max_new_tokens=max_new_tokens,
+                                  max_draft=max_draft if assembler.speculative else 0,
+                                  wait_timeout_s=self.timeout_s)
+            gen = generate(self.model, ids, full=assembler.full, draft=assembler.draft,
+                           config=config, t0=assembler.header.t0_unix, clock=time.time,
+                           on_event=events)
+            stream.wait(self.timeout_s)
+        except StreamFailedError as exc:
+            raise DecodeError(f"the KV stream failed: {exc}") from exc
+        finally:
+            stream.release()
+            with self._lock:
+                self._assemblers.pop(stream.stream_id, None)
+                lane_done = self._lane_done.pop(stream.stream_id, {})
+        return RunResult(gen.tokens, self.model.detokenize(gen.tokens),
+                         _metrics(assembler, gen, lane_done, first_token))
+
+    def close(self) -> None:
+        self._receiver.close()
+
+    def __enter__(self) -> DecodeNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _result(future: cf.Future[KVAssembler], timeout: float, what: str) -> KVAssembler:
+    try:
+        return future.result(timeout)
+    except cf.TimeoutError:
+        raise DecodeError(f"{what} within {timeout} s") from None
+
+
+def _request_id_of(stream: ReceiveStream) -> str | None:
+    from lynx_decode.kvstream import KVHeader  # noqa: PLC0415
+
+    try:
+        return KVHeader.from_metadata(stream.metadata).request_id
+    except LynxError:
+        return None
+
+
+def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
+             first_token: list[float]) -> dict[str, Any]:
+    m = gen.metrics
+    t0 = assembler.header.t0_unix
+    lanes = {int(Lane.ANCHOR): "anchor", int(Lane.RESIDUAL): "residual"}
+    out: dict[str, Any] = {
+        "scheme": assembler.scheme.value,
+        "prompt_tokens": assembler.header.prompt_tokens,
+        "ttft_s": m.ttft_s, "ttfct_s": m.ttfct_s, "e2e_s": m.e2e_s,
+        "acceptance_rate": m.acceptance_rate, "drafted": m.drafted, "accepted": m.accepted,
+        "new_tokens": m.new_tokens, "stopped_at_eos": m.stopped_at_eos,
+        "dequant_s": assembler.dequant_s,
+        "draft_ready_s": (assembler.timings["draft_ready"] - t0
+                          if "draft_ready" in assembler.timings else None),
+        "full_ready_s": assembler.timings.get("full_ready", t0) - t0,
+        "first_tentative_s": first_token[0] - t0 if first_token else None,
+    }
+    for lane, name in lanes.items():
+        out[f"bytes_{name}"] = sum(r.nbytes for r in assembler.stream.regions if r.lane == lane)
+        out[f"transfer_{name}_s"] = lane_done[lane] - t0 if lane in lane_done else None
+    out["bytes_total"] = out["bytes_anchor"] + out["bytes_residual"]
+    return out
