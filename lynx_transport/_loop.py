@@ -5,10 +5,15 @@ its control sockets and all mutable transport state, and is the only thread
 that touches them. Other threads talk to it through :meth:`IoLoop.call`, which
 runs a function on the loop and returns a :class:`concurrent.futures.Future`.
 
-The loop polls the worker while UCX requests are pending (that is what makes
-shared-memory transfers fast) and, once nothing has moved for a few hundred
-iterations, arms the worker and sleeps in ``select`` on the worker's epoll fd,
-the control sockets and a wake-up socket, until the next deadline.
+While UCX requests are pending the loop polls the worker, napping between
+polls (20 us, backing off to 200 us while nothing moves) so a busy 2-core
+machine still runs the peer. Waking up through the worker's epoll fd costs
+milliseconds per UCX round trip here (measured), so it is used only when
+nothing is pending: then the loop arms the worker and sleeps in ``select`` on
+the epoll fd, the control sockets and a wake-up socket until the next
+deadline. A near deadline (the shaper's next token) is slept with
+``time.sleep``, which is precise to ~0.1 ms, where epoll rounds up to whole
+milliseconds.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,9 +36,10 @@ __all__ = ["IoLoop"]
 
 log = logging.getLogger("lynx_transport")
 
-_SPIN_ITERATIONS = 30        # polls without progress before sleeping
-_PENDING_SLEEP_CAP_S = 0.002  # sleep cap while UCX requests are pending
+_NAP_MIN_S = 20e-6            # nap between polls while requests are pending ...
+_NAP_MAX_S = 200e-6           # ... doubling up to this while nothing moves
 _SOCKET_POLL_EVERY = 8        # while busy, look at sockets every N iterations
+_PRECISE_SLEEP_S = 0.005      # deadlines closer than this are slept precisely
 
 
 class IoLoop:
@@ -135,7 +142,7 @@ class IoLoop:
 
     def _run(self) -> None:
         try:
-            idle = 0
+            nap = _NAP_MIN_S
             n = 0
             while not self._stopping:
                 self.worker.progress()
@@ -143,23 +150,26 @@ class IoLoop:
                 progressed, pending, deadline = self.step()
                 n += 1
                 if progressed or ran:
-                    idle = 0
-                    if n % _SOCKET_POLL_EVERY == 0:
-                        self._select(0)
-                    continue
-                idle += 1
-                if pending and idle < _SPIN_ITERATIONS:
+                    nap = _NAP_MIN_S
                     if n % _SOCKET_POLL_EVERY == 0:
                         self._select(0)
                     continue
                 now = self.clock.now()
                 timeout = 1.0 if deadline is None else max(0.0, deadline - now)
                 if pending:
-                    timeout = min(timeout, _PENDING_SLEEP_CAP_S)
+                    if n % _SOCKET_POLL_EVERY == 0:
+                        self._select(0)
+                    time.sleep(min(nap, timeout))
+                    nap = min(2 * nap, _NAP_MAX_S)
+                    continue
+                if timeout < _PRECISE_SLEEP_S:
+                    # a near deadline (the shaper's next token): epoll rounds up
+                    # to whole milliseconds, which would cost a shaped link its rate
+                    time.sleep(timeout)
+                    continue
                 if timeout > 0 and not self.worker.arm():
                     timeout = 0.0
-                if self._select(timeout):
-                    idle = 0
+                self._select(timeout)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter
             log.exception("lynx I/O thread crashed")
             self.on_crash(exc)

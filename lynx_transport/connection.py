@@ -255,6 +255,8 @@ class _TxLoop(IoLoop):
                     self.break_connection(TransportError(f"UCX send failed: {exc}"))
                     return True, False, None
                 tx.inflight += 1
+                if tx.handle.started_at is None:
+                    tx.handle.started_at = now
                 self.inflight.append((req, chunk, tx))
                 progressed = True
         return progressed, bool(self.inflight), self.housekeeping(now)
@@ -274,8 +276,9 @@ class _TxLoop(IoLoop):
         except TransportError as exc:
             self.break_connection(exc)
             return None
-        deadline = min(self.ctl.last_tx + cfg.heartbeat_interval_s,
-                       self.ctl.last_rx + cfg.peer_timeout_s)
+        # heartbeats may run a little late; only the shaper needs a precise wake-up
+        deadline = max(now + 0.01, min(self.ctl.last_tx + cfg.heartbeat_interval_s,
+                                       self.ctl.last_rx + cfg.peer_timeout_s))
         wait = self.sched.wait_time()
         if wait is not None:
             deadline = min(deadline, now + wait)

@@ -76,6 +76,9 @@ log = logging.getLogger("lynx_transport")
 #: UCX could not cancel (matched, mid-transfer) cannot write into a new stream.
 QUARANTINE_S = 0.2
 
+#: Heartbeats and quarantine may run this late; keeps the loop polling, not sleeping.
+HOUSEKEEPING_SLACK_S = 0.01
+
 StreamCallback = Callable[[ReceiveStream], Any]
 
 
@@ -415,7 +418,8 @@ class _RxLoop(IoLoop):
             until = self.admit_waiting(now)
             if until is not None:
                 deadline = min(deadline, until)
-        return deadline
+        # housekeeping may run a little late: never ask the loop for a precise sleep
+        return max(deadline, now + HOUSEKEEPING_SLACK_S)
 
     def shutdown(self) -> None:
         for conn in list(self.conns.values()):

@@ -29,6 +29,8 @@ class SendStream:
         self.manifest = manifest
         self.opened_at = opened_at
         self._completion = Completion(f"stream {manifest.stream_id}")
+        #: Monotonic time the first chunk was handed to UCX (``None`` before).
+        self.started_at: float | None = None
         self._call = call
         self._names = {r.name: i for i, r in enumerate(manifest.regions)}
         # set by the connection's I/O thread

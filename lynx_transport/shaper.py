@@ -1,10 +1,15 @@
 """Token-bucket shaping per lane and for the whole link (pure logic, injectable clock).
 
-A :class:`TokenBucket` holds up to ``burst_bytes`` tokens and refills at
-``gbps`` (decimal Gbit/s). A chunk of ``n`` bytes may leave when the bucket
-holds at least ``min(n, burst_bytes)`` tokens; sending it removes ``n`` tokens,
-so the balance may go negative and the long-run rate is exact even when chunks
-are larger than the burst.
+A :class:`TokenBucket` earns tokens at ``gbps`` (decimal Gbit/s) and holds at
+most ``burst_bytes`` of them. A chunk may leave whenever the bucket is not in
+debt (tokens >= 0); sending ``n`` bytes removes ``n`` tokens, so the balance may
+go negative and the next chunk waits until the debt is repaid. Hence:
+
+* the long-run rate is exact whatever the chunk size;
+* at most ``burst_bytes`` plus one chunk leave back to back after an idle spell;
+* a sender that wakes up late (timer jitter) loses nothing as long as it is
+  late by less than ``burst_bytes / rate`` - the credit earned meanwhile is
+  kept, up to the burst.
 
 A :class:`Shaper` combines a link bucket, an optional peer-requested cap (the
 receiver may ask the sender to hold a connection to a rate) and one bucket per
@@ -30,7 +35,7 @@ _EPSILON_BYTES = 1e-3
 
 @dataclasses.dataclass(frozen=True)
 class Rate:
-    """A shaping rate: ``gbps`` decimal Gbit/s, with up to ``burst_bytes`` sent back to back."""
+    """A shaping rate: ``gbps`` decimal Gbit/s; up to ``burst_bytes`` of credit is kept while idle."""
 
     gbps: float
     burst_bytes: int = 256 * 1024
@@ -75,12 +80,11 @@ class TokenBucket:
         self._last = max(self._last, now)
 
     def delay(self, nbytes: int) -> float:
-        """Seconds from now until ``nbytes`` may leave (0.0 when it may leave now)."""
+        """Seconds from now until a chunk (of any size, e.g. ``nbytes``) may leave; 0.0 = now."""
         self._refill()
-        need = min(nbytes, self._rate.burst_bytes)
-        if self._tokens >= need - _EPSILON_BYTES:
+        if self._tokens >= -_EPSILON_BYTES:
             return 0.0
-        return (need - self._tokens) / self._rate.bytes_per_s
+        return -self._tokens / self._rate.bytes_per_s
 
     def consume(self, nbytes: int) -> None:
         """Account for ``nbytes`` that left now."""

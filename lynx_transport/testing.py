@@ -23,12 +23,14 @@ __all__ = ["pattern", "PeerFailed", "PeerProcess", "sender_server"]
 def pattern(seed: int, nbytes: int) -> Any:
     """``nbytes`` reproducible pseudo-random bytes (NumPy ``uint8``) for ``seed``.
 
-    A negative seed gives zeros (cheap, for throughput runs that do not check bytes).
+    A negative seed gives zeros (cheap, for throughput runs that do not check
+    bytes); they are written, not ``np.zeros``' untouched pages, whose first
+    read by the peer (cma) would page-fault through the whole buffer.
     """
     import numpy as np  # noqa: PLC0415
 
     if seed < 0:
-        return np.zeros(nbytes, dtype=np.uint8)
+        return np.full(nbytes, 0, dtype=np.uint8)
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
@@ -131,7 +133,12 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
             f"{type(stream.exception()).__name__}: {stream.exception()}",
             "error_type": None if stream.exception() is None else type(stream.exception()).__name__,
             "lane_s": {int(k): v - opened for k, v in stream.lane_completed_at.items()},
+            "lane_data_s": {} if stream.started_at is None else
+            {int(k): v - stream.started_at for k, v in stream.lane_completed_at.items()},
             "total_s": None if stream.completed_at is None else stream.completed_at - opened,
+            # first chunk handed to UCX -> receiver's confirmation (no handshake)
+            "data_s": None if stream.completed_at is None or stream.started_at is None
+            else stream.completed_at - stream.started_at,
         }
 
     def start(specs: list, metadata: bytes) -> Any:

@@ -80,17 +80,18 @@ def test_link_shaping_rate_and_burst_on_virtual_clock() -> None:
                               shaper=Shaper(clock, link=rate))
     total = 8 * KB * 1000
     sched.add_region(1, 0, Lane.RESIDUAL, total, first_index=0)
-    first = sched.next_chunk()
-    assert first is not None and clock.now() == 0.0  # the burst goes at once
+    first, second = sched.next_chunk(), sched.next_chunk()  # burst + one chunk on credit
+    assert first is not None and second is not None
     assert sched.next_chunk() is None
-    sent = first.nbytes
+    assert sched.wait_time() == pytest.approx(8 * KB / rate.bytes_per_s)
+    sent = first.nbytes + second.nbytes
     while (wait := sched.wait_time()) is not None:
         clock.advance(wait)
         chunk = sched.next_chunk()
         assert chunk is not None
         sent += chunk.nbytes
     assert sent == total
-    assert clock.now() == pytest.approx((total - 8 * KB) / rate.bytes_per_s, rel=1e-6)
+    assert clock.now() == pytest.approx((total - 16 * KB) / rate.bytes_per_s, rel=1e-6)
 
 
 def test_rate_change_mid_stream() -> None:
@@ -107,7 +108,7 @@ def test_rate_change_mid_stream() -> None:
     while (wait := sched.wait_time()) is not None:
         clock.advance(wait)
         sent += sched.next_chunk().nbytes  # type: ignore[union-attr]
-    first_half = 4 * KB * 99 / 125e6
+    first_half = 4 * KB * 98 / 125e6  # chunk k >= 1 leaves at (k - 1) chunk times
     second_half = 4 * KB * 100 / 500e6
     assert t_half == pytest.approx(first_half, rel=1e-6)
     assert clock.now() - t_half == pytest.approx(second_half, rel=0.02)
@@ -117,13 +118,14 @@ def test_lane_rate_is_work_conserving_and_link_rate_is_not() -> None:
     clock = VirtualClock()
     shaper = Shaper(clock, lanes={Lane.ANCHOR: Rate(1.0, 4 * KB)})
     sched = PriorityScheduler(clock, chunk_bytes=4 * KB, max_inflight_bytes=1 << 30, shaper=shaper)
-    sched.add_region(1, 0, Lane.ANCHOR, 8 * KB, first_index=0)
-    sched.add_region(1, 1, Lane.RESIDUAL, 8 * KB, first_index=2)
-    got = [sched.next_chunk() for _ in range(3)]
-    # anchor's first chunk, then anchor is over its own rate so residual may use the link
-    assert [c.lane for c in got if c] == [Lane.ANCHOR, Lane.RESIDUAL, Lane.RESIDUAL]
+    sched.add_region(1, 0, Lane.ANCHOR, 16 * KB, first_index=0)
+    sched.add_region(1, 1, Lane.RESIDUAL, 32 * KB, first_index=4)
+    got = [sched.next_chunk() for _ in range(4)]
+    # anchor's burst + credit, then anchor is over its own rate so residual may use the link
+    assert [c.lane for c in got if c] == [Lane.ANCHOR, Lane.ANCHOR, Lane.RESIDUAL, Lane.RESIDUAL]
     shaper.set_link_rate(Rate(1.0, 4 * KB))
-    assert sched.next_chunk() is None
+    assert [sched.next_chunk().lane for _ in range(2)] == [Lane.RESIDUAL] * 2  # type: ignore[union-attr]
+    assert sched.next_chunk() is None  # now the link is in debt and holds every lane
     assert sched.wait_time() == pytest.approx(4 * KB / 125e6, rel=1e-6)
 
 
