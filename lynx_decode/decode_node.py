@@ -24,7 +24,7 @@ import numpy as np
 
 from lynx_decode.codec_config import Scheme
 from lynx_decode.events import Event, Tentative
-from lynx_decode.kvstream import KVAssembler
+from lynx_decode.kvstream import KVAssembler, warm_up_codec
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import KVRequest, PromptKind, parse_error_reply
 from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, generate
@@ -65,6 +65,7 @@ class DecodeNode:
         self._assemblers: dict[int, KVAssembler] = {}
         self._lane_done: dict[int, dict[int, float]] = {}
         self._lock = threading.Lock()
+        warm_up_codec()
         self._receiver = Receiver(
             ReceivePool(pool_bytes), host=host, config=config,
             on_stream_open=self._on_open, on_region=self._on_region,

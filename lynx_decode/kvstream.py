@@ -44,7 +44,8 @@ from lynx_decode.model.protocol import ModelInfo, Prefill
 from lynx_transport import Connection, Lane, ReceivedRegion, ReceiveStream, SendStream
 from lynx_transport.errors import DecodeError, LayoutError, LynxError, TransportError
 
-__all__ = ["KVHeader", "KV_FORMAT", "send_cache", "KVAssembler", "region_name", "lane_of"]
+__all__ = ["KVHeader", "KV_FORMAT", "send_cache", "KVAssembler", "region_name", "lane_of",
+           "warm_up_codec"]
 
 KV_FORMAT = "lynx-kv-stream"
 KV_VERSION = 1
@@ -153,6 +154,19 @@ class KVHeader:
                 if stream in layer.streams:
                     out.append((region_name(i, stream), layer.stream_size(stream), int(lane_of(stream))))
         return out
+
+
+def warm_up_codec(bits: int = 4) -> None:
+    """Encode and decode a tiny layer in every scheme, so JIT compilation (or loading
+    Numba's on-disk cache) happens at node start-up, not inside a timed run."""
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 70, 16), dtype=np.float32)
+    for scheme in (Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX):
+        encoded = encode_layer(k, k, CodecConfig(scheme=scheme, bits=bits if scheme is Scheme.LYNX else 4))
+        anchor = encoded.buffers[Stream.ANCHOR]
+        decode_layer(encoded.layout, anchor)
+        if Stream.RESIDUAL in encoded.buffers:
+            decode_layer(encoded.layout, anchor, encoded.buffers[Stream.RESIDUAL])
 
 
 def send_cache(conn: Connection, prefill: Prefill, model_id: str, config: CodecConfig, *,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from lynx_decode.codec_config import CodecConfig, Scheme
-from lynx_decode.kvstream import send_cache
+from lynx_decode.kvstream import warm_up_codec, send_cache
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.prefill_cache import PrefillCache
 from lynx_decode.request import MAX_PROMPT_BYTES, KVRequest, error_reply
@@ -52,6 +52,7 @@ class PrefillNode:
         self.config = config if config is not None else TransportConfig()
         self.stream_timeout_s = stream_timeout_s
         self.clock = clock
+        warm_up_codec()
         self._receiver = Receiver(ReceivePool(2 * MAX_PROMPT_BYTES), host=host, port=port,
                                   config=self.config)
         self._conns: dict[tuple[str, int], Connection] = {}

@@ -1,0 +1,250 @@
+"""``lynx sweep``: time-to-first-token against link bandwidth, per KV scheme.
+
+For each bandwidth x context x prompt x repeat x scheme, the decode node (a
+worker process, :mod:`lynx_bench.sweep_worker`) asks the prefill node (a
+``lynx serve`` process) for a pass-key prompt's cache through lynx_transport,
+with the link held to the bandwidth either by the sender's token-bucket shaper
+(``--link shaper``, default, no root) or by tc in two network namespaces
+(``--link netns``, root; one link per bandwidth). Results: ``DIR/results.json``,
+``DIR/results.csv`` (fixed columns, :mod:`lynx_bench.results`), the plots
+``DIR/ttft_vs_bandwidth.png`` and ``DIR/accuracy.png``, and a table on stdout.
+
+``agreement_vs_int8`` / ``agreement_vs_bf16``: 1.0 when a run's tokens equal the
+INT8 / BF16 run's tokens for the same prompt (decoded unshaped when that scheme
+is not part of the sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lynx_bench.processes import Child, ChildError
+from lynx_bench.results import Row, summary_table, write_results
+from lynx_bench.sweep_config import (QUICK, SCHEMES, LinkMode, SweepConfig, parse_floats,
+                                     parse_ints)
+from lynx_transport.errors import ConfigError
+
+__all__ = ["add_arguments", "run", "run_sweep"]
+
+STARTUP_TIMEOUT_S = 300.0
+RUN_TIMEOUT_S = 300.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = SweepConfig()
+    parser.add_argument("--bandwidths", metavar="GBPS,...",
+                        help=f"link rates in Gbit/s (default {','.join(map(str, d.bandwidths_gbps))})")
+    parser.add_argument("--contexts", metavar="N,...",
+                        help=f"prompt lengths in tokens (default {','.join(map(str, d.contexts))})")
+    parser.add_argument("--schemes", metavar="S,...",
+                        help=f"KV schemes among {','.join(SCHEMES)} (default all)")
+    parser.add_argument("--prompts", type=int, help=f"pass-key prompts per context (default {d.prompts})")
+    parser.add_argument("--new-tokens", type=int, help=f"tokens to generate (default {d.new_tokens})")
+    parser.add_argument("--anchor-bits", type=int, help=f"anchor bits for lynx (default {d.anchor_bits})")
+    parser.add_argument("--link", choices=[m.value for m in LinkMode],
+                        help="shaper: the transport's token bucket (default); netns: tc in namespaces (root)")
+    parser.add_argument("--repeats", type=int, help=f"repeats per point (default {d.repeats})")
+    parser.add_argument("--seed", type=int, help=f"pass-key seed (default {d.seed})")
+    parser.add_argument("--out", type=Path, help=f"output folder (default {d.out})")
+    parser.add_argument("--quick", action="store_true",
+                        help="a short preset (1 and 10 Gbit/s, 1024 tokens, 1 prompt, 16 tokens, 1 repeat)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
+
+
+def config_from_args(args: argparse.Namespace) -> SweepConfig:
+    base = QUICK if args.quick else SweepConfig()
+    changes: dict[str, Any] = {}
+    if args.bandwidths is not None:
+        changes["bandwidths_gbps"] = parse_floats(args.bandwidths, "--bandwidths")
+    if args.contexts is not None:
+        changes["contexts"] = parse_ints(args.contexts, "--contexts")
+    if args.schemes is not None:
+        changes["schemes"] = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
+    for name in ("prompts", "new_tokens", "anchor_bits", "repeats", "seed", "out"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.link is not None:
+        changes["link"] = LinkMode(args.link)
+    if args.quick and args.out is None:
+        changes["out"] = Path("demo-out")
+    return dataclasses.replace(base, **changes).validate()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    bandwidth_gbps: float | None
+    context: int
+    prompt_id: int
+    repeat: int
+    scheme: str
+    recorded: bool = True
+
+
+def _jobs(config: SweepConfig, bandwidths: tuple[float, ...]) -> list[_Job]:
+    jobs = []
+    for ctx in config.contexts:
+        for prompt in range(config.prompts):
+            for ref in ("int8", "bf16"):
+                if ref not in config.schemes:
+                    jobs.append(_Job(None, ctx, prompt, 0, ref, recorded=False))
+            for repeat in range(config.repeats):
+                for bw in bandwidths:
+                    for scheme in config.schemes:
+                        jobs.append(_Job(bw, ctx, prompt, repeat, scheme))
+    return jobs
+
+
+def _python() -> list[str]:
+    return [sys.executable]
+
+
+@contextlib.contextmanager
+def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator[tuple[Child, dict[str, Any]]]:
+    """Start the prefill node and the decode worker (in namespaces for netns)."""
+    link = None
+    serve_env: dict[str, str] = {}
+    worker_env: dict[str, str] = {}
+    listen, listen_host = "127.0.0.1:0", "127.0.0.1"
+    if config.link is LinkMode.NETNS:
+        from lynx_bench.link import Link  # noqa: PLC0415
+        from lynx_bench.link_config import LinkConfig  # noqa: PLC0415
+
+        assert bandwidth is not None
+        link = Link(LinkConfig(rate_gbps=bandwidth)).up()
+        serve_env, worker_env = link.ucx_env("tx"), link.ucx_env("rx")
+        listen, listen_host = f"{link.address('tx')}:0", link.address("rx")
+    serve = worker = None
+    try:
+        tag = "" if bandwidth is None else f"-{bandwidth:g}"
+        argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen]
+        serve = Child("prefill node", argv if link is None else link.exec_argv("tx", argv),
+                      logs / f"serve{tag}.log", env=serve_env)
+        address = serve.expect("listening on", STARTUP_TIMEOUT_S)
+        argv = [*_python(), "-m", "lynx_bench.sweep_worker", "--connect", address,
+                "--listen-host", listen_host, "--prompts", str(config.prompts)]
+        worker = Child("decode node", argv if link is None else link.exec_argv("rx", argv),
+                       logs / f"decode{tag}.log", env=worker_env)
+        ready = json.loads(worker.expect("READY", STARTUP_TIMEOUT_S))
+        yield worker, ready
+    finally:
+        for child in (worker, serve):
+            if child is not None:
+                child.stop()
+        if link is not None:
+            link.down()
+
+
+def _progress(total: int, disable: bool) -> Any:
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="run", disable=disable, file=sys.stderr,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+
+
+def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") -> tuple[list[Row], dict[str, Any]]:
+    """Run the sweep; returns the rows and the recorded config."""
+    logs = config.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    groups: list[tuple[float | None, tuple[float, ...]]]
+    if config.link is LinkMode.NETNS:
+        groups = [(bw, (bw,)) for bw in config.bandwidths_gbps]
+    else:
+        groups = [(None, config.bandwidths_gbps)]
+    all_jobs = [(g, _jobs(config, bws) if i == 0 else [j for j in _jobs(config, bws) if j.recorded])
+                for i, (g, bws) in enumerate(groups)]
+    total = sum(len(jobs) for _, jobs in all_jobs)
+    bar = _progress(total, not progress)
+    results: list[tuple[_Job, dict[str, Any]]] = []
+    model_id = None
+    try:
+        for group_bw, jobs in all_jobs:
+            with _nodes(config, group_bw, logs) as (worker, ready):
+                model_id = ready["model_id"]
+                config.validate(max_context=int(ready["max_positions"]))
+                for job in jobs:
+                    if bar is not None:
+                        bar.set_postfix_str(f"{job.scheme} {job.bandwidth_gbps or 'ref'} Gbit/s "
+                                            f"ctx {job.context}")
+                    worker.send(json.dumps({
+                        "context": job.context, "prompt_id": job.prompt_id, "seed": config.seed,
+                        "scheme": job.scheme, "bandwidth_gbps": job.bandwidth_gbps,
+                        "new_tokens": config.new_tokens, "anchor_bits": config.anchor_bits}))
+                    out = json.loads(worker.expect("RESULT", RUN_TIMEOUT_S))
+                    if "error" in out:
+                        raise ChildError(f"run {job} failed: {out['error']}")
+                    results.append((job, out))
+                    if bar is not None:
+                        bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    rows = _rows(results)
+    recorded = {"command": command, **config.to_json(), "model_id": model_id,
+                "finished_unix": time.time()}
+    return rows, recorded
+
+
+def _rows(results: list[tuple[_Job, dict[str, Any]]]) -> list[Row]:
+    refs: dict[tuple[str, int, int], list[int]] = {}
+    for job, out in results:
+        if job.scheme in ("int8", "bf16") and job.repeat == 0:
+            refs.setdefault((job.scheme, job.context, job.prompt_id), out["tokens"])
+    rows = []
+    for job, out in results:
+        if not job.recorded:
+            continue
+
+        def agree(ref: str) -> float | None:
+            tokens = refs.get((ref, job.context, job.prompt_id))
+            return None if tokens is None else float(tokens == out["tokens"])
+
+        assert job.bandwidth_gbps is not None
+        rows.append(Row(
+            scheme=job.scheme, bandwidth_gbps=job.bandwidth_gbps, context=job.context,
+            prompt_id=job.prompt_id, repeat=job.repeat, ttft_s=out["ttft_s"],
+            ttfct_s=out["ttfct_s"], e2e_s=out["e2e_s"], acceptance_rate=out["acceptance_rate"],
+            bytes_anchor=out["bytes_anchor"], bytes_residual=out["bytes_residual"],
+            bytes_total=out["bytes_total"], accuracy=out["accuracy"],
+            agreement_vs_int8=agree("int8"), agreement_vs_bf16=agree("bf16"), text=out["text"]))
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if config.link is LinkMode.NETNS:
+        import os  # noqa: PLC0415
+
+        if os.geteuid() != 0:
+            raise ConfigError("--link netns needs root (network namespaces and tc); "
+                              "use --link shaper (the default) to shape in the transport instead")
+    command = shlex.join(["lynx", *sys.argv[1:]]) if sys.argv[0].endswith("lynx") else shlex.join(sys.argv)
+    rows, recorded = run_sweep(config, progress=not args.no_progress, command=command)
+    json_path, csv_path = write_results(config.out, recorded, rows)
+    from lynx_bench.plots import plot_accuracy, plot_ttft_vs_bandwidth  # noqa: PLC0415
+
+    ttft_png = plot_ttft_vs_bandwidth(rows, config.out / "ttft_vs_bandwidth.png")
+    acc_png = plot_accuracy(rows, config.out / "accuracy.png")
+    if args.json:
+        print(json_path.read_text())
+    else:
+        print(summary_table(rows))
+        print()
+    for path in (json_path, csv_path, ttft_png, acc_png):
+        print(f"wrote {path}")
+    bad = [r for r in rows if r.scheme == "lynx" and r.agreement_vs_int8 != 1.0]
+    if bad:
+        print(f"lynx: {len(bad)} runs differ from INT8 decoding", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,77 @@
+"""The sweep's decode-node process: ``python -m lynx_bench.sweep_worker``.
+
+Started by ``lynx sweep`` (inside the receiving namespace with ``--link netns``).
+It loads the model once, then reads one JSON job per line on stdin and answers
+each with one line ``RESULT {json}`` on stdout (other output may appear on
+stdout too, e.g. from UCX, and is ignored by the driver). The first line it
+prints is ``READY {json}`` with the model's facts, so the driver can validate
+context lengths before any run starts.
+
+A job: ``{"context", "prompt_id", "seed", "scheme", "bandwidth_gbps",
+"new_tokens", "anchor_bits"}``. The pass-key prompt of ``(context, prompt_id,
+seed)`` is built here with the model's tokenizer (deterministic) and cached.
+A failed run answers ``RESULT {"error": "..."}``; the worker carries on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from lynx_bench.node_args import add_model_arguments, host_port, load_model
+from lynx_bench.workload import PassKeyCase, passkey_cases, score
+from lynx_transport.errors import LynxError
+
+__all__ = ["main"]
+
+
+def _emit(tag: str, obj: dict[str, Any]) -> None:
+    sys.stdout.write(f"{tag} {json.dumps(obj)}\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lynx-sweep-worker")
+    parser.add_argument("--connect", required=True)
+    parser.add_argument("--listen-host", default="127.0.0.1")
+    parser.add_argument("--prompts", type=int, required=True)
+    add_model_arguments(parser)
+    args = parser.parse_args(argv)
+    server = host_port(args.connect, flag="--connect")
+    model = load_model(args)
+    from lynx_decode.codec_config import Scheme  # noqa: PLC0415
+    from lynx_decode.decode_node import DecodeNode  # noqa: PLC0415
+
+    info = model.info
+    cases: dict[tuple[int, int], PassKeyCase] = {}
+    with DecodeNode(model, host=args.listen_host) as node:
+        _emit("READY", {"model_id": info.model_id, "max_positions": info.max_positions})
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            job = json.loads(line)
+            try:
+                key = (int(job["context"]), int(job["seed"]))
+                if key not in cases:
+                    for i, case in enumerate(passkey_cases(model.tokenize, key[0], args.prompts,
+                                                           key[1])):
+                        cases[(key[0], key[1] + i)] = case
+                case = cases[(key[0], key[1] + int(job["prompt_id"]))]
+                result = node.run(server, model.tokenize(case.prompt),
+                                  scheme=Scheme(job["scheme"]),
+                                  max_new_tokens=int(job["new_tokens"]),
+                                  anchor_bits=int(job["anchor_bits"]),
+                                  bandwidth_gbps=job["bandwidth_gbps"])
+            except LynxError as exc:
+                _emit("RESULT", {"error": f"{type(exc).__name__}: {exc}"})
+                continue
+            _emit("RESULT", {**result.metrics, "text": result.text, "tokens": list(result.tokens),
+                             "accuracy": score(result.text, case.key), "key": case.key,
+                             "depth": case.depth, "prompt_tokens": case.n_tokens})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
