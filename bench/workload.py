@@ -49,10 +49,22 @@ __all__ = [
 DEFAULT_DEPTHS: tuple[float, ...] = (0.9, 1.0)
 
 
-class Tokenizer(Protocol):
-    """Anything that turns text into token ids (a Hugging Face tokenizer works)."""
-
+class _Encodes(Protocol):
     def encode(self, text: str) -> list[int]: ...
+
+
+#: Anything that turns text into token ids: an object with ``encode(text)`` (a
+#: Hugging Face tokenizer) or a plain function (``CausalLM.tokenize``).
+Tokenizer = _Encodes | Callable[[str], list[int]]
+
+
+def _encoder(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
+    encode = getattr(tokenizer, "encode", None)
+    if callable(encode):
+        return encode  # type: ignore[no-any-return]
+    if callable(tokenizer):
+        return tokenizer
+    raise ConfigError(f"tokenizer must have encode(text) or be callable, got {tokenizer!r}")
 
 
 class PromptStyle(enum.Enum):
@@ -108,8 +120,10 @@ def _check_common(target_tokens: int, seed: int) -> None:
 def _fit(tokenizer: Tokenizer, target_tokens: int, build: Callable[[int], str],
          what: str) -> tuple[str, int]:
     """Largest ``n`` (filler units) with ``len(encode(build(n))) <= target``."""
+    encode = _encoder(tokenizer)
+
     def count(n: int) -> int:
-        return len(tokenizer.encode(build(n)))
+        return len(encode(build(n)))
 
     base = count(0)
     if base > target_tokens:
@@ -125,7 +139,7 @@ def _fit(tokenizer: Tokenizer, target_tokens: int, build: Callable[[int], str],
         else:
             hi = mid
     text = build(lo)
-    return text, len(tokenizer.encode(text))
+    return text, len(encode(text))
 
 
 def passkey_prompt(tokenizer: Tokenizer, target_tokens: int, depth: float, seed: int,

@@ -152,3 +152,10 @@ def test_real_tokenizer_hits_target_length() -> None:
             assert target - 8 <= case.n_tokens <= target, (target, style, case.n_tokens)
         prose = filler_prose(tok, target, seed=1)
         assert target - 4 <= len(tok.encode(prose)) <= target
+
+
+def test_a_plain_function_works_as_tokenizer() -> None:
+    case = passkey_prompt(TOK.encode, 400, 0.5, seed=2)
+    assert case == passkey_prompt(TOK, 400, 0.5, seed=2)
+    with pytest.raises(ConfigError):
+        passkey_prompt(object(), 400, 0.5, seed=2)  # type: ignore[arg-type]
