@@ -143,7 +143,7 @@ def _fit(tokenizer: Tokenizer, target_tokens: int, build: Callable[[int], str],
 
 
 def passkey_prompt(tokenizer: Tokenizer, target_tokens: int, depth: float, seed: int,
-                   style: PromptStyle = PromptStyle.CHATML) -> PassKeyCase:
+                   style: PromptStyle = PromptStyle.PLAIN) -> PassKeyCase:
     """A pass-key prompt of at most ``target_tokens`` tokens (as close as one filler
     sentence, about five tokens, allows) with the needle after ``depth`` of the filler.
 
@@ -173,7 +173,7 @@ def passkey_prompt(tokenizer: Tokenizer, target_tokens: int, depth: float, seed:
 
 def passkey_cases(tokenizer: Tokenizer, target_tokens: int, n: int, seed: int,
                   depths: Sequence[float] = DEFAULT_DEPTHS,
-                  style: PromptStyle = PromptStyle.CHATML) -> list[PassKeyCase]:
+                  style: PromptStyle = PromptStyle.PLAIN) -> list[PassKeyCase]:
     """``n`` cases cycling through ``depths``; case ``i`` uses seed ``seed + i``."""
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ConfigError(f"n must be a positive integer, got {n!r}")

@@ -237,3 +237,14 @@ def test_up_refuses_to_touch_a_namespace_it_did_not_create(prefix: str) -> None:
     assert "already exist" in up.stderr and f"lynx link down --prefix {prefix}" in up.stderr
     assert foreign in namespaces()  # left alone
     assert f"{prefix}-tx" not in namespaces()  # and nothing half-made
+
+
+def test_without_root_the_error_points_to_the_shaper(prefix: str) -> None:
+    """As an unprivileged user (root drops to nobody with setpriv): a clear refusal."""
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(LYNX)]
+    for action in (["up", "--rate", "1gbit"], ["show"]):
+        proc = subprocess.run([*as_nobody, "link", *action, "--prefix", prefix],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert "not running as root" in proc.stderr and "--link shaper" in proc.stderr
+    assert not {f"{prefix}-tx", f"{prefix}-rx"} & namespaces()
