@@ -106,6 +106,9 @@ class IoLoop:
     def on_crash(self, exc: BaseException) -> None:
         """Called on the I/O thread if :meth:`step` raised unexpectedly."""
 
+    def release_ucx(self) -> None:
+        """Drop every UCX request and endpoint (called on the I/O thread at the end)."""
+
     # -- the loop ------------------------------------------------------------------------
     def _drain_wake(self, sock: socket.socket) -> None:
         try:
@@ -182,6 +185,9 @@ class IoLoop:
                     calls, self._calls = list(self._calls), collections.deque()
                 for fn, fut in calls:
                     self._run_one(fn, fut)
+                # UCX objects die on the thread that used them, requests first
+                self.release_ucx()
+                self.worker.close()
                 self.selector.close()
                 self._wake_r.close()
                 self._wake_w.close()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lynx_transport.errors import ConnectError, ProtocolError, TransportError
+from lynx_transport.errors import (ConnectError, PeerDisconnectedError, ProtocolError,
+                                   TransportError)
 
 __all__ = ["UcxWorker", "check", "as_bytes_view"]
 
@@ -80,6 +81,12 @@ class UcxWorker:
         return endpoint.tag_send(_array(view), self._lib.UCXXTag(tag))
 
     def close(self) -> None:
+        """Release the worker and context (on the owning thread, after its requests)."""
+        if self._worker is not None:
+            try:
+                self._worker.progress()
+            except Exception:  # noqa: BLE001 - best effort while tearing down
+                pass
         self._worker = None
         self._ctx = None
 
@@ -93,7 +100,15 @@ def check(request: Any, what: str) -> None:
         if isinstance(exc, lib.UCXMessageTruncatedError):
             raise ProtocolError(f"{what}: the peer sent more bytes than the manifest "
                                 f"announced ({exc})") from exc
+        if isinstance(exc, _peer_errors(lib)):
+            raise PeerDisconnectedError(f"{what}: the peer went away mid-transfer ({exc})") from exc
         raise TransportError(f"{what}: UCX request failed: {exc}") from exc
+
+
+def _peer_errors(lib: Any) -> tuple[type, ...]:
+    """UCX statuses that mean the other process is gone or unreachable."""
+    return (lib.UCXIOError, lib.UCXConnectionResetError, lib.UCXEndpointTimeoutError,
+            lib.UCXUnreachableError, lib.UCXNotConnectedError)
 
 
 def as_bytes_view(buffer: Any) -> Any:

@@ -85,6 +85,7 @@ class _TxLoop(IoLoop):
         self.completed = 0
         self.failed = 0
         self.broken: TransportError | None = None
+        self.quarantine: list[tuple[float, list[Any]]] = []
         self.selector.register(sock, selectors.EVENT_READ, self.on_readable)
 
     def send(self, ftype: FrameType, payload: bytes = b"") -> None:
@@ -213,7 +214,10 @@ class _TxLoop(IoLoop):
             log.warning("connection to %s broken: %s", self.ctl.peer, exc)
         for tx in list(self.streams.values()):
             self.fail(tx, exc, StreamState.FAILED)
-        self.inflight.clear()  # dropping the requests cancels them
+        # Requests (and the buffers they read) are dropped - which cancels
+        # them - only after a grace period, as on the receiving side.
+        self.quarantine.append((self.clock.now() + 0.2, self.inflight))
+        self.inflight = []
         try:
             self.selector.unregister(self.ctl.sock)
         except (KeyError, ValueError):
@@ -262,8 +266,10 @@ class _TxLoop(IoLoop):
         return progressed, bool(self.inflight), self.housekeeping(now)
 
     def housekeeping(self, now: float) -> float | None:
+        if self.quarantine:
+            self.quarantine = [(t, reqs) for t, reqs in self.quarantine if t > now]
         if self.broken is not None:
-            return None
+            return now + 0.05 if self.quarantine else None
         cfg = self.o.config
         try:
             self.ctl.flush()
@@ -295,6 +301,11 @@ class _TxLoop(IoLoop):
 
     def on_crash(self, exc: BaseException) -> None:
         self.break_connection(TransportError(f"the I/O thread crashed: {exc!r}"))
+
+    def release_ucx(self) -> None:
+        self.inflight.clear()
+        self.quarantine.clear()
+        self.ep = None
 
     def stats(self) -> TransportStats:
         lanes = range(8)

@@ -72,8 +72,11 @@ __all__ = ["Receiver"]
 
 log = logging.getLogger("lynx_transport")
 
-#: A failed stream's pool blocks are held this long before reuse, so a receive
-#: UCX could not cancel (matched, mid-transfer) cannot write into a new stream.
+#: A failed stream's UCX receives stay posted, and its pool blocks stay taken,
+#: this long before the receives are cancelled (by dropping them) and the blocks
+#: reused: a receive that was matched mid-transfer finishes (or errors) first.
+#: Cancelling a matched receive while its dead peer's transfer was unwinding
+#: crashed UCX in testing.
 QUARANTINE_S = 0.2
 
 #: Heartbeats and quarantine may run this late; keeps the loop polling, not sleeping.
@@ -121,7 +124,7 @@ class _RxLoop(IoLoop):
         self.o = owner
         self.listen = listen
         self.conns: dict[int, _Conn] = {}
-        self.quarantine: list[tuple[float, list[tuple[int, int]]]] = []
+        self.quarantine: list[tuple[float, list[tuple[int, int]], list[Any]]] = []
         self.waiting: collections.deque[tuple[float, _Conn, Manifest]] = collections.deque()
         self.next_token = 1
         self.tokens_in_use: set[int] = set()
@@ -340,11 +343,10 @@ class _RxLoop(IoLoop):
         self.failed += 1
         rx.conn.streams.pop(h.stream_id, None)
         self.tokens_in_use.discard(rx.token)
-        # Dropping a UCXRequest cancels it; blocks stay quarantined before reuse.
+        requests = [p.request for q in rx.pending.values() for p in q]
         rx.pending.clear()
-        if h._mark_released():
-            self.quarantine.append((self.clock.now() + QUARANTINE_S,
-                                    [(r.offset, r.nbytes) for r in h.regions]))
+        blocks = [(r.offset, r.nbytes) for r in h.regions] if h._mark_released() else []
+        self.quarantine.append((self.clock.now() + QUARANTINE_S, blocks, requests))
         if tell_peer and not rx.conn.ctl.closed:
             try:
                 self.send(rx.conn, FrameType.STREAM_FAILED, pack_stream_text(h.stream_id, 0, str(exc)))
@@ -406,12 +408,14 @@ class _RxLoop(IoLoop):
             deadline = min(deadline, conn.ctl.last_rx + cfg.peer_timeout_s)
         if self.quarantine:
             keep = []
-            for until, blocks in self.quarantine:
+            for entry in self.quarantine:
+                until, blocks, requests = entry
                 if until <= now:
+                    requests.clear()  # dropping a UCXRequest cancels it
                     for off, n in blocks:
                         self.o.pool.release(off, n)
                 else:
-                    keep.append((until, blocks))
+                    keep.append(entry)
                     deadline = min(deadline, until)
             self.quarantine = keep
         if self.waiting:
@@ -429,7 +433,8 @@ class _RxLoop(IoLoop):
             except TransportError:
                 pass
             self.drop_conn(conn, ClosedError("the receiver was closed"))
-        for _, blocks in self.quarantine:
+        for _, blocks, requests in self.quarantine:
+            requests.clear()
             for off, n in blocks:
                 self.o.pool.release(off, n)
         self.quarantine = []
@@ -438,6 +443,17 @@ class _RxLoop(IoLoop):
         except (KeyError, ValueError):
             pass
         self.listen.close()
+
+    def on_crash(self, exc: BaseException) -> None:
+        err = TransportError(f"the receiver's I/O thread crashed: {exc!r}")
+        for conn in list(self.conns.values()):
+            self.drop_conn(conn, err)
+
+    def release_ucx(self) -> None:
+        for conn in self.conns.values():
+            for rx in conn.streams.values():
+                rx.pending.clear()
+        self.quarantine = []
 
     def stats(self) -> TransportStats:
         inflight: dict[int, int] = collections.defaultdict(int)
