@@ -10,7 +10,7 @@ Both directions are shaped with htb (root class ``1:1`` at the rate; default lea
 ``1:99``). With ``lanes`` > 0 each lane gets a leaf ``1:1<i>`` (hex class ids
 ``1:10``, ``1:11``, ...) with htb priority ``i`` — lane 0 is served first and the
 others only use what it leaves — matched by u32 filters on the lane's TCP port
-range as source *or* destination port, so the network itself enforces anchor
+range as TCP source *or* destination port, so the network itself enforces anchor
 priority as long as each lane's UCX worker uses its range
 (:meth:`Link.ucx_env`). Unmatched traffic (handshakes, control) goes to ``1:99``
 at priority 0. netem (delay/jitter/loss) is attached under each leaf when asked
@@ -188,7 +188,8 @@ class Link:
             ports = cfg.lane_ports(lane)
             for field in ("sport", "dport"):
                 tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
-                   "u32", "match", "ip", field, str(ports.low), f"0x{ports.mask:04x}",
+                   "u32", "match", "ip", "protocol", "6", "0xff",  # TCP only
+                   "match", "ip", field, str(ports.low), f"0x{ports.mask:04x}",
                    "flowid", lane_class(lane))
 
     # -- where things are ---------------------------------------------------------

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     measure = sub.add_parser("measure", help="bulk TCP transfer tx -> rx; print achieved rate")
     measure.add_argument("--seconds", type=float, default=3.0,
                          help="how long the transfer should take at the shaped rate (default 3)")
+    measure.add_argument("--realtime", action="store_true",
+                         help="run both ends SCHED_FIFO (chrt) so other load cannot starve them")
 
     for p in (up, sub.choices["down"], sub.choices["show"], measure):
         p.add_argument("--prefix", default="lynx",
@@ -79,7 +81,7 @@ def _print_status(status, ucx: dict[str, dict[str, str]] | None) -> None:  # noq
               f"  {', '.join(side.addresses) or 'no address'}  egress {rate}")
         for q in side.qdiscs:
             print(f"      qdisc {q.kind} {q.handle} parent {q.parent} {q.options}".rstrip())
-        for c in side.classes:
+        for c in sorted(side.classes, key=lambda c: (c.parent != "root", c.handle)):
             print(f"      class {c.handle} parent {c.parent} prio {c.prio} "
                   f"rate {c.rate_gbps:g} ceil {c.ceil_gbps:g} Gbit/s")
         if ucx:
@@ -137,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     subnet_cfg = LinkConfig(rate_gbps=rate, prefix=args.prefix,
                             subnet=_subnet_of(status.sides[0].addresses))
     n_bytes = int(rate * 1e9 / 8 * args.seconds)
-    result = measure(Link(subnet_cfg), n_bytes, timeout_s=max(30.0, 10 * args.seconds))
+    result = measure(Link(subnet_cfg), n_bytes, timeout_s=max(30.0, 10 * args.seconds),
+                     realtime=args.realtime)
     out = {"prefix": args.prefix, "shaped_gbps": rate, "bytes": result.bytes,
            "seconds": result.seconds, "achieved_gbps": result.gbps,
            "ratio": result.gbps / rate}
