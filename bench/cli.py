@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("lynx_bench.serve_cli", "run a prefill node: prefill prompts and stream their KV caches"),
     "sweep": ("lynx_bench.sweep", "TTFT against link bandwidth for bf16/int8/int4/lynx, with plots"),
     "generate": ("lynx_bench.generate_cli", "run a decode node: fetch a prompt's KV cache and generate"),
+    "bench-transport": ("lynx_bench.bench_transport", "transport throughput vs raw ucxx, ucx_perftest and asyncio TCP; priority and shaping"),
 }
 
 _EXTRA_HINT = {
