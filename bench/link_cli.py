@@ -98,7 +98,11 @@ def run(args: argparse.Namespace) -> int:
     if args.link_command == "up":
         config = _config(args)  # ConfigError before touching the system
         link = Link(config).up()
-        status = inspect_link(config.prefix, netem_available())
+        try:
+            status = inspect_link(config.prefix, netem_available())
+        except BaseException:  # Ctrl-C or a failure after the link came up: undo it
+            link.down()
+            raise
         ucx = {s.value: link.ucx_env(s) for s in Side}
         lanes = {str(i): config.lane_ports(i).ucx for i in range(config.lanes)}
         if args.json:

@@ -108,8 +108,8 @@ def netem_available() -> bool:
     device of a throwaway namespace (the answer is cached per process)."""
     require_root()
     probe = f"lynx-probe-{os.getpid()}"
-    sh(["ip", "netns", "add", probe])
-    try:
+    try:  # entered before the namespace exists: an interrupted `add` is cleaned up too
+        sh(["ip", "netns", "add", probe])
         proc = sh(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem",
                    "delay", "1ms"], check=False)
         if proc.returncode == 0:
@@ -118,4 +118,5 @@ def netem_available() -> bool:
             return False
         raise LinkError(f"probing for netem failed: {proc.stderr.strip()}")
     finally:
-        sh(["ip", "netns", "delete", probe])
+        if probe in namespaces():
+            sh(["ip", "netns", "delete", probe])
