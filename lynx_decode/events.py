@@ -1,0 +1,71 @@
+"""Token events of a generation, for embedders, and the per-run metrics.
+
+Positions count generated tokens from 0 (the first token after the prompt).
+
+- :class:`Tentative`: a speculative token drafted from the anchor-only cache.
+  It may be rolled back; never treat it as output.
+- :class:`Rollback`: tentative tokens at positions ``>= from_position`` are
+  withdrawn (``n_rejected`` of them). Always precedes the :class:`Committed`
+  event that replaces them.
+- :class:`Committed`: verified tokens at positions ``position ..``. Committed
+  tokens are final: they are never rolled back, and the concatenation of every
+  ``Committed.tokens`` is the output.
+- :class:`Done`: the last event, with the run's :class:`DecodeMetrics`.
+
+A failure mid-generation raises :class:`~lynx_transport.errors.DecodeError`
+instead of yielding further events; tentative tokens seen before it are void.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = ["Tentative", "Committed", "Rollback", "Done", "DecodeMetrics", "Event"]
+
+
+@dataclass(frozen=True)
+class Tentative:
+    token: int
+    position: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    tokens: tuple[int, ...]
+    position: int
+
+
+@dataclass(frozen=True)
+class Rollback:
+    from_position: int
+    n_rejected: int
+
+
+@dataclass(frozen=True)
+class DecodeMetrics:
+    """Per-run metrics, named as in DESIGN.md. Times are seconds from the
+    caller's ``t0`` on the caller's clock. ``acceptance_rate`` is None when
+    nothing was drafted (non-speculative schemes, or the full cache won the race)."""
+
+    ttft_s: float
+    ttfct_s: float
+    e2e_s: float
+    acceptance_rate: float | None
+    drafted: int
+    accepted: int
+    new_tokens: int
+    speculative: bool
+    draft_start_s: float | None
+    full_ready_s: float
+    verify_s: float | None
+    stopped_at_eos: bool
+
+
+@dataclass(frozen=True)
+class Done:
+    metrics: DecodeMetrics
+    tokens: tuple[int, ...]
+
+
+Event = Union[Tentative, Committed, Rollback, Done]
