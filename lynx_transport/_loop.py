@@ -45,8 +45,10 @@ _PRECISE_SLEEP_S = 0.005      # deadlines closer than this are slept precisely
 class IoLoop:
     """Base class; subclasses implement :meth:`step` and :meth:`on_crash`."""
 
-    def __init__(self, name: str, tls: str, clock: Clock) -> None:
+    def __init__(self, name: str, tls: str, clock: Clock,
+                 thread_init: Callable[[], None] | None = None) -> None:
         self.clock = clock
+        self._thread_init = thread_init
         self.worker = UcxWorker(tls)
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -145,6 +147,8 @@ class IoLoop:
 
     def _run(self) -> None:
         try:
+            if self._thread_init is not None:
+                self._thread_init()
             nap = _NAP_MIN_S
             n = 0
             while not self._stopping:

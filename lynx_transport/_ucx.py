@@ -21,7 +21,7 @@ from typing import Any
 from lynx_transport.errors import (ConnectError, PeerDisconnectedError, ProtocolError,
                                    TransportError)
 
-__all__ = ["UcxWorker", "check", "as_bytes_view"]
+__all__ = ["UcxWorker", "check", "as_bytes_view", "ensure_cuda_context"]
 
 
 def _lib() -> Any:
@@ -126,3 +126,10 @@ def as_bytes_view(buffer: Any) -> Any:
     if not arr.flags.c_contiguous:
         raise ValueError("region buffers must be C-contiguous")
     return arr.reshape(-1).view(np.uint8)
+
+
+def ensure_cuda_context(device: int) -> None:
+    """Make ``device``'s primary CUDA context current in the calling thread (UCX needs it)."""
+    from ucxx._cuda_context import ensure_cuda_context as ensure  # noqa: PLC0415
+
+    ensure(device)

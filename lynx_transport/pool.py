@@ -47,6 +47,8 @@ class ReceivePool:
             raise ValueError(f"pool size must be an int >= {ALIGNMENT} bytes, got {nbytes!r}")
         self.memory = PoolMemory(memory)
         self.nbytes = nbytes
+        #: CUDA device id of a CUDA pool (``None`` for host memory).
+        self.device: int | None = None
         if self.memory is PoolMemory.HOST:
             import numpy as np  # noqa: PLC0415
 
@@ -62,6 +64,7 @@ class ReceivePool:
                 import cupy  # noqa: PLC0415
 
                 self.buffer = cupy.empty(nbytes, dtype=cupy.uint8)
+                self.device = int(self.buffer.device.id)
             except Exception as exc:  # ImportError or any CUDA failure
                 raise BackendError(f"cannot allocate a {nbytes}-byte CUDA pool: {exc} "
                                    "(install the `gpu` extra and run on a GPU host)") from exc

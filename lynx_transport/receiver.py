@@ -120,7 +120,9 @@ class _Conn:
 
 class _RxLoop(IoLoop):
     def __init__(self, owner: Receiver, listen: socket.socket) -> None:
-        super().__init__("lynx-rx-io", owner.config.ucx_tls, owner.clock)
+        device = owner.pool.device
+        init = None if device is None else (lambda: _ucx.ensure_cuda_context(device))
+        super().__init__("lynx-rx-io", owner.config.ucx_tls, owner.clock, init)
         self.o = owner
         self.listen = listen
         self.conns: dict[int, _Conn] = {}
