@@ -14,13 +14,14 @@ from __future__ import annotations
 import pytest
 
 from lynx_transport import Lane, Rate, ReceivePool, Receiver, TransportConfig
-from lynx_transport.testing import PeerProcess, sender_server
+from lynx_transport.testing import PeerProcess, prioritise_thread, sender_server
 
 pytestmark = pytest.mark.ucx
 
 CHUNK = 256 * 1024
 CONFIG = TransportConfig(chunk_bytes=CHUNK, max_inflight_bytes=4 * CHUNK)
 MiB = 1 << 20
+PRIORITY = -10
 
 
 BURST = 4 * CHUNK
@@ -34,9 +35,16 @@ def achieved_gbps(nbytes: int, burst: int, seconds: float) -> float:
 
 
 def open_link(config: TransportConfig, pool_bytes: int):
+    """A receiver here and a sender in a child, both I/O threads at a raised priority
+    (where permitted) so other work on a shared machine does not skew millisecond timings."""
     pool = ReceivePool(pool_bytes)
-    rx = Receiver(pool, config=config, on_stream_complete=lambda s: s.release())
-    peer = PeerProcess(sender_server, rx.address, config)
+    before = prioritise_thread(PRIORITY)
+    try:
+        rx = Receiver(pool, config=config, on_stream_complete=lambda s: s.release())
+    finally:
+        if before is not None:
+            prioritise_thread(before)
+    peer = PeerProcess(sender_server, rx.address, config, PRIORITY)
     try:
         assert peer.reply(60) == "connected"
         yield rx, peer
