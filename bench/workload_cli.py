@@ -103,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
     style = PromptStyle(args.style)
     rows: list[dict[str, object]] = []
     cells = [(c, d, i) for c in contexts for d in depths for i in range(args.prompts)]
-    for context, depth, i in tqdm(cells, desc="pass-key", unit="prompt", file=sys.stderr,
-                                  disable=args.json):
+    for context, depth, i in tqdm(cells, desc="pass-key", unit="prompt", file=sys.stderr):
         case = passkey_prompt(tok, context, depth, args.seed + i, style)
         ids = torch.tensor([tok.encode(case.prompt)])
         t0 = time.perf_counter()
