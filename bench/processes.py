@@ -5,6 +5,7 @@ child that died. stderr goes to a log file; a child that exits early raises
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import subprocess
@@ -93,4 +94,9 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(timeout)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
         self._log.close()

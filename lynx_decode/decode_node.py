@@ -30,7 +30,8 @@ from lynx_decode.request import KVRequest, PromptKind, parse_error_reply
 from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, generate
 from lynx_transport import (Lane, ReceivedRegion, ReceivePool, Receiver, ReceiveStream,
                             TransportConfig, connect)
-from lynx_transport.errors import DecodeError, LynxError, StreamFailedError, TransportError
+from lynx_transport.errors import (DecodeError, LynxError, PromptError, StreamFailedError,
+                                   TransportError)
 
 __all__ = ["DecodeNode", "RunResult"]
 
@@ -64,12 +65,14 @@ class DecodeNode:
         self._pending: dict[str, cf.Future[KVAssembler]] = {}
         self._assemblers: dict[int, KVAssembler] = {}
         self._lane_done: dict[int, dict[int, float]] = {}
+        self._error_streams: set[int] = set()
         self._lock = threading.Lock()
         warm_up_codec()
         self._receiver = Receiver(
             ReceivePool(pool_bytes), host=host, config=config,
             on_stream_open=self._on_open, on_region=self._on_region,
-            on_lane_complete=self._on_lane, on_stream_failed=self._on_failed)
+            on_lane_complete=self._on_lane, on_stream_complete=self._on_complete,
+            on_stream_failed=self._on_failed)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -80,7 +83,7 @@ class DecodeNode:
         error = parse_error_reply(stream.metadata)
         if error is not None:
             request_id, message = error
-            stream.release()
+            self._error_streams.add(stream.stream_id)
             with self._lock:
                 future = self._pending.pop(request_id, None)
             if future is not None and not future.done():
@@ -106,6 +109,11 @@ class DecodeNode:
             assembler.fail(DecodeError("no request for this stream"))
             return
         future.set_result(assembler)
+
+    def _on_complete(self, stream: ReceiveStream) -> None:
+        if stream.stream_id in self._error_streams:
+            self._error_streams.discard(stream.stream_id)
+            stream.release()
 
     def _on_region(self, stream: ReceiveStream, region: ReceivedRegion) -> None:
         assembler = self._assemblers.get(stream.stream_id)
@@ -140,6 +148,10 @@ class DecodeNode:
             payload = prompt.encode("utf-8")
         else:
             kind = "ids"
+            limit = self.model.info.max_positions
+            if len(prompt) + max_new_tokens > limit:
+                raise PromptError(f"the prompt has {len(prompt)} tokens; with {max_new_tokens} new "
+                                  f"tokens it exceeds the model's context window of {limit}")
             payload = np.asarray(prompt, dtype="<i4").tobytes()
         request = KVRequest(request_id, scheme, anchor_bits, kind, self.address, bandwidth_gbps)
         self._headroom = max_new_tokens + max_draft + 2

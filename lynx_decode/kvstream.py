@@ -14,7 +14,10 @@ Wire convention (on top of :mod:`lynx_transport`, which moves named byte regions
   ``Lane.RESIDUAL``.
 
 The sender announces the whole stream first (sizes are known from the layout),
-then encodes and supplies layer after layer, so encoding overlaps the transfer.
+then encodes layer after layer and supplies each anchor as soon as it is
+encoded, so encoding overlaps the transfer; residuals are supplied after the
+last anchor, so the anchor lane finishes first even when the encoder, not the
+link, is the bottleneck.
 
 The receiver side (:class:`KVAssembler`) runs on the transport's callback thread:
 each landed anchor is dequantized into the *draft* cache, each layer whose anchor
@@ -183,13 +186,19 @@ def send_cache(conn: Connection, prefill: Prefill, model_id: str, config: CodecC
                       CacheLayout.of([layer] * shape.num_layers))
     stream = conn.open_stream(header.regions(), metadata=header.to_metadata(), timeout=timeout)
     keep: list[Any] = [np.asarray(prefill.token_ids, dtype=np.int32)]
+    held: list[tuple[str, Any]] = []
     try:
         stream.supply(TOKENS, keep[0], timeout)
         for i in range(shape.num_layers):
             encoded = encode_layer(kv.keys[i], kv.values[i], config)
             for s, buf in encoded.buffers.items():
                 keep.append(buf)
-                stream.supply(region_name(i, s), buf, timeout)
+                if s is Stream.ANCHOR:
+                    stream.supply(region_name(i, s), buf, timeout)
+                else:
+                    held.append((region_name(i, s), buf))
+        for name, buf in held:
+            stream.supply(name, buf, timeout)
     except BaseException:
         if not stream.done:
             stream.cancel()

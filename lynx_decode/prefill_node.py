@@ -24,7 +24,7 @@ from lynx_decode.kvstream import warm_up_codec, send_cache
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.prefill_cache import PrefillCache
 from lynx_decode.request import MAX_PROMPT_BYTES, KVRequest, error_reply
-from lynx_transport import (Connection, Rate, ReceivePool, Receiver, ReceiveStream,
+from lynx_transport import (Connection, Lane, Rate, ReceivePool, Receiver, ReceiveStream,
                             TransportConfig, connect)
 from lynx_transport.errors import DecodeError, LynxError, TransportError, TransportTimeoutError
 
@@ -133,7 +133,9 @@ class PrefillNode:
     def _send_error(self, request: KVRequest, message: str) -> None:
         try:
             conn = self._connection(request.reply_to)
-            conn.send_stream([], metadata=error_reply(request.request_id, message)).wait(10.0)
+            # A manifest needs one region: the error travels as a one-byte stream.
+            conn.send_stream([("error", b"\0", int(Lane.ANCHOR))],
+                             metadata=error_reply(request.request_id, message)).wait(10.0)
         except TransportError as exc:
             log.warning("could not tell %s:%d that request %s failed: %s",
                         *request.reply_to, request.request_id, exc)

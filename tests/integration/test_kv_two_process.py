@@ -1,0 +1,112 @@
+"""Speculative decoding across two processes over UCX, on the real model.
+
+The prefill node is a real ``lynx serve`` process; the decode node runs in the
+test process. The link is held to a low rate by the sender's shaper so the
+residual is still in flight while the decode node drafts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from lynx_bench.workload import filler_prose, passkey_prompt
+from lynx_decode.codec_config import Scheme
+from lynx_decode.decode_node import DecodeNode
+from lynx_decode.events import Committed, Event, Rollback, Tentative
+from lynx_transport.errors import DecodeError, LynxError, PromptError
+
+from .nodes import serve_process
+
+pytestmark = [pytest.mark.model, pytest.mark.ucx]
+
+NEW_TOKENS = 32
+#: Slow enough that a 2k-token residual (~12 MB) takes ~1 s: several drafts happen.
+SLOW_GBPS = 0.1
+
+
+@pytest.fixture(scope="module")
+def model():
+    from lynx_decode.model import HFCausalLM
+
+    return HFCausalLM.load()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_process() as (_child, address):
+        yield address
+
+
+@pytest.fixture(scope="module")
+def node(model):
+    with DecodeNode(model, timeout_s=120.0) as n:
+        yield n
+
+
+def _prompts(model) -> list[list[int]]:
+    """Five prompts of >= 2k tokens: three pass-key (needle at different depths) and
+    two free-text, with seeds never used for tuning (101..105)."""
+    out = [model.tokenize(passkey_prompt(model.tokenize, 2100, depth, seed).prompt)
+           for depth, seed in ((0.2, 101), (0.6, 102), (0.95, 103))]
+    out += [model.tokenize(filler_prose(model.tokenize, 2100, seed)) for seed in (104, 105)]
+    assert all(len(ids) >= 2000 for ids in out)
+    return out
+
+
+def test_lynx_equals_int8_token_for_token(model, server, node) -> None:
+    drafted = rolled_back = 0
+    for ids in _prompts(model):
+        int8 = node.run(server, ids, scheme=Scheme.INT8, max_new_tokens=NEW_TOKENS)
+        assert len(int8.tokens) == NEW_TOKENS
+        for bits in (2, 3, 4):
+            events: list[Event] = []
+            lynx = node.run(server, ids, scheme=Scheme.LYNX, anchor_bits=bits,
+                            max_new_tokens=NEW_TOKENS, bandwidth_gbps=SLOW_GBPS,
+                            on_event=events.append)
+            assert lynx.tokens == int8.tokens, f"anchor bits {bits}"
+            committed = [t for e in events if isinstance(e, Committed) for t in e.tokens]
+            assert tuple(committed) == lynx.tokens
+            drafted += lynx.metrics["drafted"]
+            rolled_back += sum(isinstance(e, Rollback) for e in events)
+    # The link was slow enough that speculation really happened, and was sometimes wrong.
+    assert drafted > 0
+    assert rolled_back > 0
+
+
+def test_decoding_starts_before_the_residual_lands(model, server, node) -> None:
+    ids = model.tokenize(filler_prose(model.tokenize, 2100, 106))
+    result = node.run(server, ids, scheme=Scheme.LYNX, max_new_tokens=8,
+                      bandwidth_gbps=SLOW_GBPS)
+    m = result.metrics
+    # Timestamps from the transport's callbacks (lane completion) and the first token.
+    assert m["transfer_anchor_s"] < m["first_tentative_s"] < m["transfer_residual_s"]
+    assert m["drafted"] >= 1
+    assert m["ttft_s"] < m["ttfct_s"]
+
+
+def test_prompt_beyond_context_is_refused_clearly(model, server, node) -> None:
+    ids = [model.tokenize("hello")[0]] * (model.info.max_positions + 1)
+    with pytest.raises(PromptError, match="context window of 8192"):
+        node.run(server, ids, scheme=Scheme.LYNX, max_new_tokens=4)
+    # Text is tokenized by the prefill node, which refuses it and says why.
+    with pytest.raises(DecodeError, match="refused the request: .*context window"):
+        node.run(server, "hello " * 9000, scheme=Scheme.LYNX, max_new_tokens=4)
+
+
+def test_prefill_node_dying_mid_stream_is_an_error_and_nothing_tentative_is_committed(model, node) -> None:
+    ids = model.tokenize(filler_prose(model.tokenize, 2100, 107))
+    events: list[Event] = []
+    with serve_process() as (child, address):
+        def on_event(event: Event) -> None:
+            events.append(event)
+            if isinstance(event, Tentative) and child.proc.poll() is None:
+                os.kill(child.proc.pid, signal.SIGKILL)
+
+        with pytest.raises(LynxError):
+            node.run(address, ids, scheme=Scheme.LYNX, max_new_tokens=8, bandwidth_gbps=0.05,
+                     on_event=on_event)
+    assert any(isinstance(e, Tentative) for e in events)
+    assert not any(isinstance(e, Committed) for e in events)
