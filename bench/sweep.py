@@ -221,8 +221,22 @@ def _rows(results: list[tuple[_Job, dict[str, Any]]]) -> list[Row]:
     return rows
 
 
+def _default_context_window() -> int | None:
+    """The default model's context window, read from its GGUF header (milliseconds);
+    None when the model is not installed (the decode worker then reports it)."""
+    from lynx_decode.model.gguf_meta import gguf_context_length  # noqa: PLC0415
+    from lynx_decode.model.store import default_gguf_path  # noqa: PLC0415
+    from lynx_transport.errors import ModelError  # noqa: PLC0415
+
+    try:
+        return gguf_context_length(default_gguf_path())
+    except ModelError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    config.validate(max_context=_default_context_window())
     if config.link is LinkMode.NETNS:
         import os  # noqa: PLC0415
 

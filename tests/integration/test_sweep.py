@@ -1,0 +1,73 @@
+"""`lynx sweep` end to end: a tiny real sweep through two processes, and bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lynx_bench.results import COLUMNS
+
+LYNX = [sys.executable, "-m", "lynx_bench.cli"]
+
+
+def _lynx(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LYNX, *args], capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+@pytest.mark.model
+@pytest.mark.ucx
+def test_tiny_sweep_writes_fixed_columns_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    proc = _lynx("sweep", "--bandwidths", "1,10", "--contexts", "256", "--prompts", "1",
+                 "--new-tokens", "4", "--repeats", "1", "--out", str(out), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["config"]["bandwidths_gbps"] == [1.0, 10.0]
+    assert "lynx sweep" in payload["config"]["command"] or "sweep" in payload["config"]["command"]
+    rows = payload["rows"]
+    assert len(rows) == 2 * 4
+    assert all(tuple(row) == COLUMNS for row in rows)
+    assert {r["scheme"] for r in rows} == {"bf16", "int8", "int4", "lynx"}
+    for row in rows:
+        assert row["ttft_s"] > 0 and row["ttfct_s"] >= row["ttft_s"] and row["e2e_s"] >= row["ttfct_s"]
+        assert row["bytes_total"] == row["bytes_anchor"] + row["bytes_residual"]
+        assert row["accuracy"] in (0.0, 1.0)
+    lynx_rows = [r for r in rows if r["scheme"] == "lynx"]
+    assert all(r["agreement_vs_int8"] == 1.0 for r in lynx_rows)
+    assert all(r["bytes_residual"] > 0 for r in lynx_rows)
+    size = {r["scheme"]: r["bytes_total"] for r in rows}
+    assert size["int4"] < size["int8"] == size["lynx"] < size["bf16"]
+    with (out / "results.csv").open() as fh:
+        table = list(csv.reader(fh))
+    assert tuple(table[0]) == COLUMNS and len(table) == 1 + len(rows)
+    for png in ("ttft_vs_bandwidth.png", "accuracy.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+        assert str(out / png) in proc.stdout
+    assert "ttft_s" in proc.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--bandwidths", "1,0"], "--bandwidths: 0 Gbit/s is not a positive"),
+    (["--bandwidths", "-1"], "not a positive"),
+    (["--schemes", "lynx,fp8"], "unknown scheme 'fp8'"),
+    (["--contexts", "100000"], "context window"),
+])
+def test_bad_arguments_fail_before_any_work(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = _lynx("sweep", "--quick", "--out", str(tmp_path / "o"), *args, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert not (tmp_path / "o" / "logs").exists()
+
+
+def test_unwritable_out_fails_before_any_work(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = _lynx("sweep", "--quick", "--out", str(blocker / "sub"), timeout=120)
+    assert proc.returncode == 2
+    assert "--out: cannot write" in proc.stderr
