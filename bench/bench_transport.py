@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-kib", type=int, default=1024, help="Lynx chunk size (default 1024)")
     parser.add_argument("--inflight-mib", type=int, default=4,
                         help="Lynx bytes-in-flight bound (default 4)")
-    parser.add_argument("--tls", default="all", help="UCX_TLS for every UCX backend (default all)")
+    parser.add_argument("--tls", default=None,
+                        help="UCX_TLS for every UCX backend (default: TransportConfig's, ^posix,sysv)")
     parser.add_argument("--link-gbps", type=float, default=1.0,
                         help="shaped link rate for the anchor-under-load run (default 1.0)")
     parser.add_argument("--shaping-gbps", default="0.5,1,4",
@@ -63,6 +64,8 @@ def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     from lynx_transport.testing import PeerProcess, sender_server  # noqa: PLC0415
 
     say = progress or (lambda msg: None)
+    if args.tls is None:
+        args.tls = TransportConfig().ucx_tls
     nbytes = args.size_mib * MiB
     rounds, messages = (1, 3) if args.quick else (args.rounds, args.messages)
     config = TransportConfig(chunk_bytes=args.chunk_kib * 1024,

@@ -66,6 +66,7 @@ class _TxStream:
     token: int | None = None
     inflight: int = 0
     cancelling: bool = False
+    supplied: list[int] = dataclasses.field(default_factory=list)  # in supply order
 
 
 class _TxLoop(IoLoop):
@@ -111,9 +112,8 @@ class _TxLoop(IoLoop):
                 return  # cancelled meanwhile, or a duplicate
             tx.token = token
             tx.handle._completion.activate()
-            for i, view in enumerate(tx.views):
-                if view is not None:
-                    self.queue_region(tx, i)
+            for i in tx.supplied:  # within a lane: first supplied, first sent
+                self.queue_region(tx, i)
         elif t is FrameType.REJECT:
             sid, code, text = unpack_stream_text(frame.payload)
             tx = self.streams.get(sid)
@@ -153,7 +153,7 @@ class _TxLoop(IoLoop):
     def open(self, handle: SendStream, payload: bytes, views: list[Any | None]) -> None:
         if self.broken is not None:
             raise self.broken
-        tx = _TxStream(handle, views)
+        tx = _TxStream(handle, views, supplied=[i for i, v in enumerate(views) if v is not None])
         handle._supply = lambda i, buf: self.supply(tx, i, buf)
         handle._cancel = lambda: self.cancel(tx)
         self.streams[handle.stream_id] = tx
@@ -170,6 +170,7 @@ class _TxLoop(IoLoop):
             raise ValueError(f"region {spec.name!r} is {spec.nbytes} bytes in the manifest, "
                              f"the buffer has {view.nbytes}")
         tx.views[i] = view
+        tx.supplied.append(i)
         if tx.token is not None:
             self.queue_region(tx, i)
 

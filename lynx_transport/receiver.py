@@ -43,9 +43,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import queue
 import selectors
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +79,9 @@ log = logging.getLogger("lynx_transport")
 #: crashed UCX in testing.
 QUARANTINE_S = 0.2
 
+#: Opened streams kept for ``Receiver.next_stream`` until claimed.
+MAX_UNCLAIMED = 1024
+
 #: Heartbeats and quarantine may run this late; keeps the loop polling, not sleeping.
 HOUSEKEEPING_SLACK_S = 0.01
 
@@ -93,6 +96,39 @@ class _Pending:
     nbytes: int
 
 
+class _LaneQueue:
+    """A lane's posted receives, one FIFO per region.
+
+    The sender sends a region's chunks in order, but regions in the order they
+    were *supplied* (not manifest order), so each iteration looks at the oldest
+    receive of every region on the lane: O(regions), exact for any order.
+    """
+
+    def __init__(self) -> None:
+        self.regions: dict[int, collections.deque[_Pending]] = {}
+        self.live = 0
+
+    def append(self, p: _Pending) -> None:
+        self.regions.setdefault(p.region, collections.deque()).append(p)
+        self.live += 1
+
+    def __bool__(self) -> bool:
+        return self.live > 0
+
+    def __iter__(self):
+        return (p for q in self.regions.values() for p in q)
+
+    def pop_completed(self) -> list[_Pending]:
+        done = []
+        for region, q in list(self.regions.items()):
+            while q and q[0].request.completed:
+                done.append(q.popleft())
+            if not q:
+                del self.regions[region]
+        self.live -= len(done)
+        return done
+
+
 class _RxStream:
     """I/O-thread state of one incoming stream."""
 
@@ -100,8 +136,7 @@ class _RxStream:
         self.handle = handle
         self.token = token
         self.conn = conn
-        self.pending: dict[int, collections.deque[_Pending]] = collections.defaultdict(
-            collections.deque)
+        self.pending: dict[int, _LaneQueue] = collections.defaultdict(_LaneQueue)
         m = handle.manifest
         self.region_left = [r.nbytes for r in m.regions]
         self.lane_left: dict[int, int] = collections.defaultdict(int)
@@ -282,7 +317,9 @@ class _RxLoop(IoLoop):
         rx = _RxStream(handle, self.alloc_token(), conn)
         conn.streams[sid] = rx
         self.o._dispatch.post(self.o._cb["on_stream_open"], handle)
-        self.o._opened.put(handle)
+        with self.o._opened_cond:
+            self.o._opened.append(handle)
+            self.o._opened_cond.notify()
         try:
             self.post_receives(rx, manifest, regions)
         except TransportError as exc:
@@ -365,8 +402,7 @@ class _RxLoop(IoLoop):
         for conn in list(self.conns.values()):
             for rx in list(conn.streams.values()):
                 for lane, q in list(rx.pending.items()):
-                    while q and q[0].request.completed:
-                        p = q.popleft()
+                    for p in q.pop_completed():
                         progressed = True
                         try:
                             _ucx.check(p.request, f"stream {rx.handle.stream_id}")
@@ -487,7 +523,9 @@ class Receiver:
                     "on_lane_complete": on_lane_complete, "on_stream_complete": on_stream_complete,
                     "on_stream_failed": on_stream_failed}
         self._requested_rate: Rate | None = None
-        self._opened: queue.SimpleQueue[ReceiveStream] = queue.SimpleQueue()
+        # streams for next_stream(); bounded so a callback-only user leaks nothing
+        self._opened: collections.deque[ReceiveStream] = collections.deque(maxlen=MAX_UNCLAIMED)
+        self._opened_cond = threading.Condition()
         self._closed = False
         listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -522,11 +560,16 @@ class Receiver:
             raise TransportTimeoutError(f"the receiver's I/O thread did not answer in {timeout} s") from exc
 
     def next_stream(self, timeout: float) -> ReceiveStream:
-        """The next opened stream (manifest accepted, data may still be arriving)."""
-        try:
-            return self._opened.get(timeout=timeout)
-        except queue.Empty:
-            raise TransportTimeoutError(f"no stream opened within {timeout} s") from None
+        """The next opened stream (manifest accepted, data may still be arriving).
+
+        Streams are queued in the order they opened, whether or not
+        ``on_stream_open`` is set; at most ``MAX_UNCLAIMED`` wait here (the
+        oldest unclaimed ones are dropped from this queue, not from the transport).
+        """
+        with self._opened_cond:
+            if not self._opened_cond.wait_for(lambda: bool(self._opened), timeout):
+                raise TransportTimeoutError(f"no stream opened within {timeout} s")
+            return self._opened.popleft()
 
     def request_rate(self, rate: Rate | None) -> None:
         """Ask every connected (and future) sender to hold its connection to ``rate``."""

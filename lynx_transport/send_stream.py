@@ -80,7 +80,9 @@ class SendStream:
     def supply(self, name: str, buffer: Any, timeout: float = 5.0) -> None:
         """Provide the bytes of region ``name`` (for streams opened with ``open_stream``).
 
-        The buffer must stay alive and unchanged until the stream is done.
+        Regions are scheduled as they are supplied: on one lane, the first
+        supplied is sent first. The buffer must stay alive and unchanged until
+        the stream is done.
         """
         if name not in self._names:
             raise KeyError(f"stream {self.stream_id} has no region {name!r}")

@@ -132,6 +132,8 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
     * ``("start", specs, metadata)`` - send without waiting; returns the stream id.
     * ``("wait", stream_id, timeout)`` - wait for a started stream; returns timings.
     * ``("cancel", stream_id, timeout)`` - cancel a started stream, wait for its end.
+    * ``("incremental", specs, metadata, timeout)`` - ``open_stream`` first, then
+      ``supply`` the regions one by one in reverse order; waits, returns timings.
     * ``("link_rate", (gbps, burst) | None)``, ``("lane_rate", lane, (gbps, burst) | None)``.
     * ``("rates",)``, ``("stats",)``.
     """
@@ -211,6 +213,13 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
                 _, stream_id, timeout = request
                 stream = started.pop(stream_id)
                 stream.cancel()
+                result = finish(stream, timeout)
+            elif op == "incremental":
+                _, specs, metadata, timeout = request
+                stream = conn.open_stream([(name, n, lane) for name, n, lane, _ in specs], metadata)
+                buffers = [(name, data(seed, n)) for name, n, _, seed in specs]
+                for name, buf in reversed(buffers):
+                    stream.supply(name, buf)
                 result = finish(stream, timeout)
             elif op == "link_rate":
                 conn.set_link_rate(_rate(request[1]))

@@ -91,9 +91,10 @@ def test_lynx_stream_64mib_loopback(benchmark, loopback) -> None:
 def raw_ucxx():
     from lynx_bench import transport_baselines as base
 
-    peer = PeerProcess(base.raw_ucxx_receiver, 64 * MiB, "all")
+    tls = TransportConfig().ucx_tls  # the same UCX path as Lynx
+    peer = PeerProcess(base.raw_ucxx_receiver, 64 * MiB, tls)
     try:
-        yield peer, base.raw_ucxx_send(peer.reply(60), 64 * MiB, "all")
+        yield peer, base.raw_ucxx_send(peer.reply(60), 64 * MiB, tls)
     finally:
         peer.close()
 

@@ -189,3 +189,23 @@ def test_metadata_and_manifest_are_known_before_data(loopback) -> None:
     assert kinds.index("lane") < kinds.index("complete")
     assert check_events.index(("lane", 0)) < check_events.index(("region", "r0"))
     stream.release()
+
+
+def test_regions_supplied_incrementally_arrive_in_supply_order(loopback) -> None:
+    pool, rx, rec, peer = loopback
+    specs, meta = make_specs([(300_000, Lane.ANCHOR)] * 4, next(_counter))
+    peer.call("link_rate", (0.5, 64 * 1024))  # ~5 ms per region: completions well apart
+    try:
+        result = peer.call("incremental", specs, meta, 30.0)
+    finally:
+        peer.call("link_rate", None)
+    assert result["state"] == "completed", result
+    stream = rx.next_stream(30)
+    stream.wait(30)
+    assert rec.finished[stream.stream_id].wait(30)
+    regions = [e[1] for e in rec.events[stream.stream_id] if e[0] == "region"]
+    assert regions == ["r3", "r2", "r1", "r0"]  # one lane: first supplied, first sent
+    for name, n, _, seed in specs:
+        assert np.array_equal(stream.view(name), pattern(seed, n))
+    assert not rec.problems, rec.problems
+    stream.release()
