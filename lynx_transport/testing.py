@@ -17,7 +17,8 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["pattern", "PeerFailed", "PeerProcess", "sender_server", "prioritise_thread"]
+__all__ = ["pattern", "PeerFailed", "PeerProcess", "sender_server", "receiver_server",
+           "prioritise_thread"]
 
 
 def prioritise_thread(nice: int = -10) -> int | None:
@@ -237,3 +238,29 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
             pipe.send(("ok", result))
     finally:
         conn.close()
+
+
+def receiver_server(pipe: multiprocessing.connection.Connection, pool_bytes: int,
+                    config: Any = None) -> None:
+    """Child side: a :class:`~lynx_transport.receiver.Receiver`; replies with its address first.
+
+    Requests: ``("next", timeout)`` waits for the next stream to complete and
+    returns ``{name: bytes.hex() of the first 16 bytes}``; ``("exit",)``.
+    """
+    from lynx_transport.pool import ReceivePool  # noqa: PLC0415
+    from lynx_transport.receiver import Receiver  # noqa: PLC0415
+
+    with Receiver(ReceivePool(pool_bytes), config=config) as rx:
+        pipe.send(("ok", rx.address))
+        while True:
+            request = pipe.recv()
+            if request[0] == "exit":
+                return
+            if request[0] == "next":
+                stream = rx.next_stream(request[1])
+                stream.wait(request[1])
+                result = {r.name: bytes(stream.view(r.name)[:16]).hex() for r in stream.regions}
+                stream.release()
+                pipe.send(("ok", result))
+            else:
+                raise ValueError(f"unknown request {request[0]!r}")

@@ -13,7 +13,8 @@ import pytest
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
 from lynx_transport.errors import (ConnectError, PeerDisconnectedError, StreamCancelledError)
 from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
-from lynx_transport.testing import PeerProcess, pattern, sender_server
+from lynx_transport.shaper import Rate
+from lynx_transport.testing import PeerProcess, pattern, receiver_server, sender_server
 from lynx_transport.wire import (FrameDecoder, FrameType, RejectReason, encode_frame,
                                  unpack_stream_text, unpack_stream_token)
 
@@ -88,6 +89,26 @@ def test_sender_killed_mid_stream_fails_the_stream_within_two_seconds() -> None:
             nxt.release()
     finally:
         rx.close()
+
+
+def test_receiver_killed_mid_stream_fails_the_senders_stream_within_two_seconds() -> None:
+    with PeerProcess(receiver_server, 128 << 20, CONFIG) as peer:
+        address = peer.reply(60)
+        with connect(tuple(address), timeout=10, config=CONFIG) as conn:
+            conn.set_link_rate(Rate(0.5, 64 * 1024))
+            data = np.full(64 << 20, 3, np.uint8)
+            stream = conn.send_stream([("big", data, Lane.RESIDUAL)])
+            deadline = time.monotonic() + 30
+            while stream.state is StreamState.OPENING and time.monotonic() < deadline:
+                time.sleep(0.005)  # probe: wait until the receiver accepted the stream
+            assert stream.state is StreamState.ACTIVE
+            killed = time.monotonic()
+            peer.kill()
+            with pytest.raises(PeerDisconnectedError):
+                stream.wait(timeout=5)
+            assert time.monotonic() - killed < 2.0
+            assert stream.state is StreamState.FAILED
+            assert conn.broken is not None
 
 
 def test_receiver_closed_mid_stream_fails_the_senders_stream() -> None:
