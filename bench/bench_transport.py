@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="messages per backend per round (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--chunk-kib", type=int, default=1024, help="Lynx chunk size (default 1024)")
-    parser.add_argument("--inflight-mib", type=int, default=4,
-                        help="Lynx bytes-in-flight bound (default 4)")
+    parser.add_argument("--inflight-mib", type=int, default=8,
+                        help="Lynx bytes-in-flight bound (default 8)")
     parser.add_argument("--tls", default=None,
                         help="UCX_TLS for every UCX backend (default: TransportConfig's, ^posix,sysv)")
     parser.add_argument("--link-gbps", type=float, default=1.0,
