@@ -46,7 +46,7 @@ from lynx_transport.shaper import Rate, Shaper
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
 from lynx_transport.wire import (Frame, FrameDecoder, FrameType, OversizedFrame, RejectReason,
-                                 encode_frame, pack_stream_text, pack_u64, unpack_rate,
+                                 encode_frame, pack_u64, unpack_rate,
                                  unpack_stream_lane, unpack_stream_text, unpack_stream_token,
                                  unpack_u64, unpack_welcome)
 

@@ -1,0 +1,467 @@
+"""The receiver's I/O thread: accepting connections, admitting manifests, landing chunks.
+
+All state here is owned by the ``lynx-rx-io`` thread (see :mod:`lynx_transport._loop`);
+the public face is :class:`lynx_transport.receiver.Receiver`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import selectors
+import socket
+from typing import TYPE_CHECKING, Any
+
+from lynx_transport import _ucx
+from lynx_transport._control import ControlSocket
+from lynx_transport._loop import IoLoop
+from lynx_transport.errors import (ClosedError, ManifestError, PeerDisconnectedError,
+                                   PoolExhaustedError, ProtocolError, StreamCancelledError,
+                                   StreamFailedError, TransportError)
+from lynx_transport.manifest import Manifest, decode_manifest
+from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
+from lynx_transport.state import StreamState
+from lynx_transport.stats import LaneCounters, TransportStats
+from lynx_transport.wire import (Frame, FrameType, OversizedFrame, RejectReason,
+                                 pack_stream_lane, pack_stream_text, pack_stream_token,
+                                 pack_u64, pack_welcome, unpack_stream_text, unpack_u64)
+
+if TYPE_CHECKING:
+    from lynx_transport.receiver import Receiver
+
+__all__ = ["RxLoop", "QUARANTINE_S", "MAX_UNCLAIMED"]
+
+log = logging.getLogger("lynx_transport")
+
+#: A failed stream's UCX receives stay posted, and its pool blocks stay taken,
+#: this long before the receives are cancelled (by dropping them) and the blocks
+#: reused: a receive that was matched mid-transfer finishes (or errors) first.
+#: Cancelling a matched receive while its dead peer's transfer was unwinding
+#: crashed UCX in testing.
+QUARANTINE_S = 0.2
+
+#: Opened streams kept for ``Receiver.next_stream`` until claimed.
+MAX_UNCLAIMED = 1024
+
+#: Heartbeats and quarantine may run this late; keeps the loop polling, not sleeping.
+HOUSEKEEPING_SLACK_S = 0.01
+
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: Any
+    region: int
+    offset: int
+    nbytes: int
+
+
+class _LaneQueue:
+    """A lane's posted receives, one FIFO per region.
+
+    The sender sends a region's chunks in order, but regions in the order they
+    were *supplied* (not manifest order), so each iteration looks at the oldest
+    receive of every region on the lane: O(regions), exact for any order.
+    """
+
+    def __init__(self) -> None:
+        self.regions: dict[int, collections.deque[_Pending]] = {}
+        self.live = 0
+
+    def append(self, p: _Pending) -> None:
+        self.regions.setdefault(p.region, collections.deque()).append(p)
+        self.live += 1
+
+    def __bool__(self) -> bool:
+        return self.live > 0
+
+    def __iter__(self):
+        return (p for q in self.regions.values() for p in q)
+
+    def pop_completed(self) -> list[_Pending]:
+        done = []
+        for region, q in list(self.regions.items()):
+            while q and q[0].request.completed:
+                done.append(q.popleft())
+            if not q:
+                del self.regions[region]
+        self.live -= len(done)
+        return done
+
+
+class _RxStream:
+    """I/O-thread state of one incoming stream."""
+
+    def __init__(self, handle: ReceiveStream, token: int, conn: _Conn) -> None:
+        self.handle = handle
+        self.token = token
+        self.conn = conn
+        self.pending: dict[int, _LaneQueue] = collections.defaultdict(_LaneQueue)
+        m = handle.manifest
+        self.region_left = [r.nbytes for r in m.regions]
+        self.lane_left: dict[int, int] = collections.defaultdict(int)
+        for r in m.regions:
+            self.lane_left[r.lane] += r.nbytes
+        self.lanes_open = set(self.lane_left)
+        self.left = m.total_bytes
+
+
+class _Conn:
+    def __init__(self, ctl: ControlSocket) -> None:
+        self.ctl = ctl
+        self.hello = False
+        self.streams: dict[int, _RxStream] = {}
+
+
+class RxLoop(IoLoop):
+    def __init__(self, owner: Receiver, listen: socket.socket) -> None:
+        device = owner.pool.device
+        init = None if device is None else (lambda: _ucx.ensure_cuda_context(device))
+        super().__init__("lynx-rx-io", owner.config.ucx_tls, owner.clock, init)
+        self.o = owner
+        self.listen = listen
+        self.conns: dict[int, _Conn] = {}
+        self.quarantine: list[tuple[float, list[tuple[int, int]], list[Any]]] = []
+        self.waiting: collections.deque[tuple[float, _Conn, Manifest]] = collections.deque()
+        self.next_token = 1
+        self.tokens_in_use: set[int] = set()
+        self.counters = LaneCounters()
+        self.completed = 0
+        self.failed = 0
+        self.max_payload = owner.config.manifest_limits.max_encoded_bytes
+        self.selector.register(listen, selectors.EVENT_READ, self.on_accept)
+
+    # -- sockets --------------------------------------------------------------------
+    def on_accept(self, listen: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                return
+            conn = _Conn(ControlSocket(sock, self.max_payload, self.clock.now()))
+            self.conns[conn.ctl.fileno()] = conn
+            self.selector.register(sock, selectors.EVENT_READ, self.on_readable)
+
+    def on_readable(self, sock: socket.socket) -> None:
+        conn = self.conns.get(sock.fileno())
+        if conn is None:
+            return
+        try:
+            for frame in conn.ctl.read(self.clock.now()):
+                self.on_frame(conn, frame)
+        except TransportError as exc:
+            self.drop_conn(conn, exc)
+
+    def drop_conn(self, conn: _Conn, exc: TransportError) -> None:
+        if conn.ctl.closed:
+            return
+        if not isinstance(exc, (PeerDisconnectedError, ClosedError)):
+            log.warning("dropping control connection from %s: %s", conn.ctl.peer, exc)
+        for rx in list(conn.streams.values()):
+            self.fail(rx, exc, StreamState.FAILED)
+        try:
+            self.selector.unregister(conn.ctl.sock)
+        except (KeyError, ValueError):
+            pass
+        self.conns.pop(conn.ctl.fileno(), None)
+        conn.ctl.close()
+
+    # -- frames ------------------------------------------------------------------------
+    def send(self, conn: _Conn, ftype: FrameType, payload: bytes = b"") -> None:
+        conn.ctl.send(ftype, payload, self.clock.now())
+
+    def on_frame(self, conn: _Conn, frame: Frame | OversizedFrame) -> None:
+        if not conn.hello:
+            if not isinstance(frame, Frame) or frame.type is not FrameType.HELLO:
+                raise ProtocolError("the first frame on a connection must be HELLO")
+            conn.hello = True
+            rate = self.o._requested_rate
+            self.send(conn, FrameType.WELCOME, pack_welcome(
+                self.worker.address, rate.gbps if rate else 0.0, rate.burst_bytes if rate else 0))
+            return
+        if isinstance(frame, OversizedFrame):
+            sid = int.from_bytes(frame.prefix[:8].ljust(8, b"\0"), "big")
+            self.reject(conn, sid, RejectReason.MANIFEST,
+                        f"manifest of {frame.length} bytes exceeds the {self.max_payload}-byte limit")
+            return
+        t = frame.type
+        if t is FrameType.OPEN:
+            self.on_open(conn, frame.payload)
+        elif t is FrameType.CANCEL:
+            rx = conn.streams.get(unpack_u64(frame.payload, "CANCEL"))
+            if rx is not None:
+                self.fail(rx, StreamCancelledError(
+                    f"stream {rx.handle.stream_id} was cancelled by its sender"), StreamState.CANCELLED)
+        elif t is FrameType.STREAM_FAILED:
+            sid, _, text = unpack_stream_text(frame.payload)
+            rx = conn.streams.get(sid)
+            if rx is not None:
+                self.fail(rx, StreamFailedError(f"sender failed stream {sid}: {text}"),
+                          StreamState.FAILED)
+        elif t is FrameType.HEARTBEAT:
+            pass
+        elif t is FrameType.GOODBYE:
+            self.drop_conn(conn, PeerDisconnectedError(f"peer {conn.ctl.peer} closed the connection"))
+        else:
+            raise ProtocolError(f"unexpected {t.name} frame from a sender")
+
+    def reject(self, conn: _Conn, sid: int, reason: RejectReason, text: str) -> None:
+        log.warning("rejected stream %d from %s: %s", sid, conn.ctl.peer, text)
+        self.send(conn, FrameType.REJECT, pack_stream_text(sid, reason, text))
+
+    def alloc_token(self) -> int:
+        for _ in range(1 << 20):
+            token = self.next_token
+            self.next_token = token % 0xFFFFFFFF + 1
+            if token not in self.tokens_in_use:
+                self.tokens_in_use.add(token)
+                return token
+        raise TransportError("no free stream token")
+
+    def on_open(self, conn: _Conn, payload: bytes) -> None:
+        limits = self.o.config.manifest_limits
+        sid = int.from_bytes(payload[:8].ljust(8, b"\0"), "big")
+        try:
+            manifest = decode_manifest(payload, limits)
+        except ManifestError as exc:
+            self.reject(conn, sid, RejectReason.MANIFEST, str(exc))
+            return
+        if sid in conn.streams:
+            self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already active")
+            return
+        if any(sid == m.stream_id for _, c, m in self.waiting if c is conn):
+            self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already waiting")
+            return
+        self.waiting.append((self.clock.now() + self.o.config.pool_wait_s, conn, manifest))
+        self.admit_waiting(self.clock.now())
+
+    def admit_waiting(self, now: float) -> float | None:
+        """Admit waiting manifests in arrival order while the pool has room (back-pressure).
+
+        A manifest that cannot fit before its deadline (``pool_wait_s``) is
+        rejected with ``POOL_EXHAUSTED``; one larger than the whole pool at once.
+        """
+        deadline = None
+        while self.waiting:
+            until, conn, manifest = self.waiting[0]
+            if conn.ctl.closed:
+                self.waiting.popleft()
+                continue
+            try:
+                offsets = self.o.pool.allocate([r.nbytes for r in manifest.regions])
+            except PoolExhaustedError as exc:
+                too_big = manifest.total_bytes > self.o.pool.nbytes
+                if until <= now or too_big:
+                    self.waiting.popleft()
+                    try:
+                        self.reject(conn, manifest.stream_id, RejectReason.POOL_EXHAUSTED, str(exc))
+                    except TransportError as err:
+                        self.drop_conn(conn, err)
+                    continue
+                return until
+            self.waiting.popleft()
+            try:
+                self.admit(conn, manifest, offsets)
+            except TransportError as err:
+                self.drop_conn(conn, err)
+        return deadline
+
+    def admit(self, conn: _Conn, manifest: Manifest, offsets: list[int]) -> None:
+        sid = manifest.stream_id
+        regions = tuple(ReceivedRegion(r.name, r.lane, r.nbytes, off)
+                        for r, off in zip(manifest.regions, offsets))
+        handle = ReceiveStream(manifest, regions, self.o.pool, conn.ctl.peer, self.o._release_from_user)
+        rx = _RxStream(handle, self.alloc_token(), conn)
+        conn.streams[sid] = rx
+        self.o._dispatch.post(self.o._cb["on_stream_open"], handle)
+        with self.o._opened_cond:
+            self.o._opened.append(handle)
+            self.o._opened_cond.notify()
+        try:
+            self.post_receives(rx, manifest, regions)
+        except TransportError as exc:
+            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
+            return
+        handle._completion.activate()
+        self.send(conn, FrameType.ACCEPT, pack_stream_token(sid, rx.token))
+        self.finish_empty(rx)
+
+    def post_receives(self, rx: _RxStream, manifest: Manifest, regions: tuple[ReceivedRegion, ...]) -> None:
+        cb = manifest.chunk_bytes
+        pool = self.o.pool
+        base = rx.token << 32
+        for i, (r, first) in enumerate(zip(regions, manifest.first_chunk_indices())):
+            q = rx.pending[r.lane]
+            for k, off in enumerate(range(0, r.nbytes, cb)):
+                n = min(cb, r.nbytes - off)
+                try:
+                    req = self.worker.tag_recv(pool.view(r.offset + off, n), base | (first + k))
+                except Exception as exc:
+                    raise TransportError(f"cannot post a UCX receive: {exc}") from exc
+                q.append(_Pending(req, i, off, n))
+
+    def finish_empty(self, rx: _RxStream) -> None:
+        """Regions and lanes with no bytes are complete as soon as the stream opens."""
+        for i, r in enumerate(rx.handle.regions):
+            if r.nbytes == 0:
+                self.region_landed(rx, i)
+        for lane in sorted(rx.lanes_open):
+            if rx.lane_left[lane] == 0:
+                self.lane_landed(rx, lane)
+        if rx.left == 0:
+            self.stream_landed(rx)
+
+    # -- completion ----------------------------------------------------------------------
+    def region_landed(self, rx: _RxStream, i: int) -> None:
+        region = rx.handle.regions[i]
+        rx.handle._completion.region_done(region.name)
+        self.o._dispatch.post(self.o._cb["on_region"], rx.handle, region)
+
+    def lane_landed(self, rx: _RxStream, lane: int) -> None:
+        rx.lanes_open.discard(lane)
+        if rx.handle._completion.lane_done(lane, self.clock.now()):
+            self.send(rx.conn, FrameType.LANE_DONE, pack_stream_lane(rx.handle.stream_id, lane))
+            self.o._dispatch.post(self.o._cb["on_lane_complete"], rx.handle, lane)
+
+    def stream_landed(self, rx: _RxStream) -> None:
+        if rx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
+            self.completed += 1
+            del rx.conn.streams[rx.handle.stream_id]
+            self.tokens_in_use.discard(rx.token)
+            self.send(rx.conn, FrameType.STREAM_DONE, pack_u64(rx.handle.stream_id))
+            self.o._dispatch.post(self.o._cb["on_stream_complete"], rx.handle)
+
+    def fail(self, rx: _RxStream, exc: TransportError, state: StreamState,
+             tell_peer: bool = False) -> None:
+        h = rx.handle
+        if not h._completion.finish(state, self.clock.now(), exc):
+            return
+        self.failed += 1
+        rx.conn.streams.pop(h.stream_id, None)
+        self.tokens_in_use.discard(rx.token)
+        requests = [p.request for q in rx.pending.values() for p in q]
+        rx.pending.clear()
+        blocks = [(r.offset, r.nbytes) for r in h.regions] if h._mark_released() else []
+        self.quarantine.append((self.clock.now() + QUARANTINE_S, blocks, requests))
+        if tell_peer and not rx.conn.ctl.closed:
+            try:
+                self.send(rx.conn, FrameType.STREAM_FAILED, pack_stream_text(h.stream_id, 0, str(exc)))
+            except TransportError:
+                pass
+        self.o._dispatch.post(self.o._cb["on_stream_failed"], h, exc)
+
+    # -- the loop body ------------------------------------------------------------------------
+    def step(self) -> tuple[bool, bool, float | None]:
+        progressed = False
+        pending = False
+        now = self.clock.now()
+        on_chunk = self.o._cb["on_chunk"]
+        for conn in list(self.conns.values()):
+            for rx in list(conn.streams.values()):
+                for lane, q in list(rx.pending.items()):
+                    for p in q.pop_completed():
+                        progressed = True
+                        try:
+                            _ucx.check(p.request, f"stream {rx.handle.stream_id}")
+                        except TransportError as exc:
+                            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
+                            break
+                        self.counters.add(lane, p.nbytes, now)
+                        region = rx.handle.regions[p.region]
+                        if on_chunk is not None:
+                            self.o._dispatch.post(on_chunk, rx.handle, region, p.offset, p.nbytes)
+                        rx.region_left[p.region] -= p.nbytes
+                        rx.lane_left[lane] -= p.nbytes
+                        rx.left -= p.nbytes
+                        if rx.region_left[p.region] == 0:
+                            self.region_landed(rx, p.region)
+                        if rx.lane_left[lane] == 0:
+                            self.lane_landed(rx, lane)
+                        if rx.left == 0:
+                            self.stream_landed(rx)
+                    if rx.handle.state.terminal:
+                        break
+                    pending = pending or bool(q)
+        deadline = self.housekeeping(now)
+        return progressed, pending, deadline
+
+    def housekeeping(self, now: float) -> float | None:
+        cfg = self.o.config
+        deadline = now + cfg.heartbeat_interval_s
+        for conn in list(self.conns.values()):
+            try:
+                conn.ctl.flush()
+                if now - conn.ctl.last_rx > cfg.peer_timeout_s:
+                    raise PeerDisconnectedError(
+                        f"peer {conn.ctl.peer} silent for {now - conn.ctl.last_rx:.2f} s "
+                        f"(limit {cfg.peer_timeout_s} s)")
+                if conn.hello and now - conn.ctl.last_tx >= cfg.heartbeat_interval_s:
+                    self.send(conn, FrameType.HEARTBEAT)
+            except TransportError as exc:
+                self.drop_conn(conn, exc)
+                continue
+            deadline = min(deadline, conn.ctl.last_rx + cfg.peer_timeout_s)
+        if self.quarantine:
+            keep = []
+            for entry in self.quarantine:
+                until, blocks, requests = entry
+                if until <= now:
+                    requests.clear()  # dropping a UCXRequest cancels it
+                    for off, n in blocks:
+                        self.o.pool.release(off, n)
+                else:
+                    keep.append(entry)
+                    deadline = min(deadline, until)
+            self.quarantine = keep
+        if self.waiting:
+            until = self.admit_waiting(now)
+            if until is not None:
+                deadline = min(deadline, until)
+        # housekeeping may run a little late: never ask the loop for a precise sleep
+        return max(deadline, now + HOUSEKEEPING_SLACK_S)
+
+    def shutdown(self) -> None:
+        for conn in list(self.conns.values()):
+            try:
+                if conn.hello:
+                    self.send(conn, FrameType.GOODBYE)
+            except TransportError:
+                pass
+            self.drop_conn(conn, ClosedError("the receiver was closed"))
+        for _, blocks, requests in self.quarantine:
+            requests.clear()
+            for off, n in blocks:
+                self.o.pool.release(off, n)
+        self.quarantine = []
+        try:
+            self.selector.unregister(self.listen)
+        except (KeyError, ValueError):
+            pass
+        self.listen.close()
+
+    def on_crash(self, exc: BaseException) -> None:
+        err = TransportError(f"the receiver's I/O thread crashed: {exc!r}")
+        for conn in list(self.conns.values()):
+            self.drop_conn(conn, err)
+
+    def release_ucx(self) -> None:
+        for conn in self.conns.values():
+            for rx in conn.streams.values():
+                rx.pending.clear()
+        self.quarantine = []
+
+    def stats(self) -> TransportStats:
+        inflight: dict[int, int] = collections.defaultdict(int)
+        for conn in self.conns.values():
+            for rx in conn.streams.values():
+                for lane, q in rx.pending.items():
+                    inflight[lane] += sum(p.nbytes for p in q)
+        active = sum(len(c.streams) for c in self.conns.values())
+        return TransportStats(self.counters.snapshot({}, inflight), active, self.completed,
+                              self.failed)
+
+
