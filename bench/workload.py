@@ -43,10 +43,12 @@ __all__ = [
 ]
 
 #: Depths used by :func:`passkey_cases` unless told otherwise: where the full-precision
-#: SmolLM2-135M-Instruct finds the key in PLAIN prompts at 2k and at 4k tokens
-#: (measured with ``lynx passkey``; at 4k a needle at depth 1.0, right before the
-#: question, fails, and the CHATML wrapping fails at most depths).
-DEFAULT_DEPTHS: tuple[float, ...] = (0.5, 0.9)
+#: SmolLM2-135M-Instruct finds the key in PLAIN prompts at both 2k and 4k tokens —
+#: 8 of 8 prompts at each of these depths and lengths (``lynx passkey``, seeds
+#: 1000-1002 and 2000-2004). At 4k a needle at depth 1.0, right before the
+#: question, failed 8 of 8 (2k: 8 of 8 correct); the CHATML wrapping failed at
+#: depths 0.25-0.75 already at 2k.
+DEFAULT_DEPTHS: tuple[float, ...] = (0.5, 0.9, 0.0)
 
 
 class _Encodes(Protocol):
