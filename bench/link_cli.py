@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from lynx_transport.errors import ConfigError
+from lynx_transport.errors import ConfigError, LinkError
 
 __all__ = ["add_arguments", "run"]
 
@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="htb burst in bytes (default: 1 ms at the rate, at least 128 KiB)")
 
     sub.add_parser("down", help="remove the link and end processes inside it (idempotent)")
-    sub.add_parser("show", help="namespaces, addresses, qdiscs and rates")
+    sub.add_parser("show", help="namespaces, addresses, qdiscs and rates "
+                                "(exit 1 if the link is only partly there)")
 
     measure = sub.add_parser("measure", help="bulk TCP transfer tx -> rx; print achieved rate")
     measure.add_argument("--seconds", type=float, default=3.0,
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     require_root()
     status = inspect_link(args.prefix)
     if not status.up or status.sides[0].rate_gbps is None:
-        raise ConfigError(f"link {args.prefix} is not up; run `lynx link up --prefix "
+        raise LinkError(f"link {args.prefix} is not up; run `lynx link up --prefix "
                           f"{args.prefix} --rate ...` first")
     rate = status.sides[0].rate_gbps
     subnet_cfg = LinkConfig(rate_gbps=rate, prefix=args.prefix,
