@@ -116,8 +116,10 @@ def group_params(lo: Any, hi: Any, levels: int, split: Split, bits: int, xp: Any
 
 def _group_params(lo: Any, hi: Any, levels: int, split: Split, bits: int, xp: Any, what: str) -> tuple[Any, Any]:
     f32 = xp.float32
-    lo = lo.astype(f32)
-    hi = hi.astype(f32)
+    # "+ 0" turns -0.0 into +0.0: which signed zero a min/max reduction returns depends
+    # on its order, and the stored fp16 zero point must not depend on the backend
+    lo = lo.astype(f32) + f32(0)
+    hi = hi.astype(f32) + f32(0)
     if levels == 255 and split is Split.ROUNDED:
         rbits = 8 - bits
         s_r = (hi - lo) / f32(((1 << bits) - 1) << rbits)

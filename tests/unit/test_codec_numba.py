@@ -37,3 +37,16 @@ def test_numba_matches_reference_byte_for_byte(case) -> None:
     if case.config.scheme in (Scheme.INT8, Scheme.LYNX):
         for g, w in zip(int8_codes(ref.layout, anchor, residual, backend=Backend.NUMBA), int8_codes(ref.layout, anchor, residual, backend=Backend.NUMPY)):
             _same_bits(g, w)
+
+
+def test_signed_zeros_give_the_same_bytes() -> None:
+    # a min/max reduction may return -0.0 or +0.0 depending on its order; the stored
+    # fp16 zero points must not (regression: Numba and NumPy once differed here)
+    k = np.zeros((1, 128, 8), np.float32)
+    k[0, ::2] = -0.0
+    v = k[:, ::-1].copy()
+    for backend in (Backend.NUMPY, Backend.NUMBA):
+        enc = encode_layer(k, v, backend=backend)
+        zero = enc.layout.region("k_zero")
+        stored = enc.buffers[Stream.ANCHOR][zero.offset : zero.offset + zero.size].view(np.uint16)
+        assert not stored.any(), backend  # +0.0 everywhere
