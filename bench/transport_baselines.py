@@ -3,10 +3,11 @@
 Each baseline moves the same messages between two processes on loopback, so
 every Lynx number comes with its reference measured in the same run. The raw
 ucxx baseline uses the same UCX path as Lynx (worker-address endpoints without
-peer-error handling, the same ``UCX_TLS``, one tagged message per transfer
-into a preallocated buffer, the worker polled by the calling thread);
-``ucx_perftest`` runs ``tag_bw`` with the same ``UCX_TLS`` and without ``-e``
-(no error handling).
+peer-error handling, the same ``UCX_TLS``, ``UCX_NET_DEVICES=lo`` as a
+loopback-bound Lynx receiver, one tagged message per transfer into a
+preallocated buffer, the worker polled by the calling thread);
+``ucx_perftest`` runs ``tag_bw`` with the same ``UCX_TLS`` and net devices and
+without ``-e`` (no error handling).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ __all__ = ["raw_ucxx_receiver", "raw_ucxx_send", "tcp_receiver", "tcp_send", "uc
 def _worker(tls: str) -> tuple[Any, Any, Any]:
     import ucxx._lib.libucxx as lib  # noqa: PLC0415
 
-    ctx = lib.UCXContext(config_dict={"TLS": tls}, feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
+    # loopback only, as a Lynx receiver bound to 127.0.0.1 exposes its worker
+    ctx = lib.UCXContext(config_dict={"TLS": tls, "NET_DEVICES": "lo"},
+                         feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
     return lib, ctx, lib.UCXWorker(ctx)
 
 
@@ -160,6 +163,7 @@ def ucx_perftest_gbps(nbytes: int, iterations: int, tls: str, timeout: float = 1
         raise FileNotFoundError("ucx_perftest is not in the libucx wheel")
     binary, env = found
     env["UCX_TLS"] = tls
+    env["UCX_NET_DEVICES"] = "lo"
     env["UCX_WARN_UNUSED_ENV_VARS"] = "n"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

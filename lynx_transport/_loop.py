@@ -46,10 +46,10 @@ class IoLoop:
     """Base class; subclasses implement :meth:`step` and :meth:`on_crash`."""
 
     def __init__(self, name: str, tls: str, clock: Clock,
-                 thread_init: Callable[[], None] | None = None) -> None:
+                 thread_init: Callable[[], None] | None = None, net_devices: str = "all") -> None:
         self.clock = clock
         self._thread_init = thread_init
-        self.worker = UcxWorker(tls)
+        self.worker = UcxWorker(tls, net_devices)
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)

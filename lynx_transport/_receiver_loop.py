@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import ipaddress
 import logging
 import selectors
 import socket
@@ -114,11 +115,21 @@ class _Conn:
         self.streams: dict[int, _RxStream] = {}
 
 
+def _net_devices(host: str) -> str:
+    """A receiver bound to loopback exposes its UCX worker on ``lo`` only."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    return "lo" if loopback else "all"
+
+
 class RxLoop(IoLoop):
     def __init__(self, owner: Receiver, listen: socket.socket) -> None:
         device = owner.pool.device
         init = None if device is None else (lambda: _ucx.ensure_cuda_context(device))
-        super().__init__("lynx-rx-io", owner.config.ucx_tls, owner.clock, init)
+        super().__init__("lynx-rx-io", owner.config.ucx_tls, owner.clock, init,
+                         net_devices=_net_devices(owner.address[0]))
         self.o = owner
         self.listen = listen
         self.conns: dict[int, _Conn] = {}

@@ -39,15 +39,16 @@ def _array(view: Any) -> Any:
 class UcxWorker:
     """A UCX context + worker in blocking-progress mode, owned by one thread."""
 
-    def __init__(self, tls: str) -> None:
+    def __init__(self, tls: str, net_devices: str = "all") -> None:
         lib = _lib()
         try:
-            self._ctx = lib.UCXContext(config_dict={"TLS": tls},
+            self._ctx = lib.UCXContext(config_dict={"TLS": tls, "NET_DEVICES": net_devices},
                                        feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
             self._worker = lib.UCXWorker(self._ctx)
             self._worker.init_blocking_progress_mode()
         except Exception as exc:
-            raise TransportError(f"cannot start UCX (UCX_TLS={tls!r}): {exc}") from exc
+            raise TransportError(f"cannot start UCX (UCX_TLS={tls!r}, "
+                                 f"UCX_NET_DEVICES={net_devices!r}): {exc}") from exc
         self._lib = lib
 
     @property

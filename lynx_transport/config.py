@@ -40,7 +40,9 @@ class TransportConfig:
         (0 in 22 without them), at no gain in throughput; ``^cma`` (shared-memory
         fragments) needs both sides polling and collapsed under CPU
         contention. ``cma`` needs ptrace permission between the two processes
-        (same user; ``kernel.yama.ptrace_scope`` <= 1).
+        (same user; ``kernel.yama.ptrace_scope`` <= 1). A receiver bound to a
+        loopback address also limits UCX to ``NET_DEVICES=lo``, so its worker
+        is not reachable from other hosts either.
     link_rate / lane_rates:
         Initial shaping of a connection (sender side); change them at run time
         with ``Connection.set_link_rate`` / ``set_lane_rate``.
