@@ -1,6 +1,6 @@
 """Priority and shaping on a real two-process link, shaped by the sender's token buckets.
 
-Rates are low enough (0.5-4 Gbit/s) and transfers long enough (~0.8 s) that
+Rates are low enough (0.5-4 Gbit/s) and transfers long enough (~1.2 s) that
 scheduling noise on a busy 2-core machine stays well inside the tolerances.
 Buckets get a burst of a few chunks, so a sender descheduled for a few
 milliseconds catches up instead of losing rate; a token bucket promises at
@@ -24,9 +24,9 @@ MiB = 1 << 20
 PRIORITY = -10
 
 
-BURST = 4 * CHUNK
+BURST = 16 * CHUNK
 BULK_CHUNK = 1 * MiB
-BULK_BURST = 4 * BULK_CHUNK
+BULK_BURST = 8 * BULK_CHUNK
 BULK_CONFIG = TransportConfig(chunk_bytes=BULK_CHUNK, max_inflight_bytes=8 * BULK_CHUNK)
 
 
@@ -62,7 +62,7 @@ def link():
 @pytest.fixture(scope="module")
 def bulk_link():
     """1 MiB chunks: fewer wake-ups per second for the rate-accuracy tests up to 4 Gbit/s."""
-    yield from open_link(BULK_CONFIG, 512 * MiB)
+    yield from open_link(BULK_CONFIG, 640 * MiB)
 
 
 def bytes_per_s(gbps: float) -> float:
@@ -92,7 +92,7 @@ def test_anchor_lane_completes_first_at_link_rate_and_residual_is_not_starved(li
 @pytest.mark.parametrize("gbps", [0.5, 1.0, 4.0])
 def test_link_shaping_achieves_the_configured_rate_within_5_percent(bulk_link, gbps: float) -> None:
     rx, peer = bulk_link
-    nbytes = int(bytes_per_s(gbps) * 0.8) // BULK_CHUNK * BULK_CHUNK
+    nbytes = int(bytes_per_s(gbps) * 1.2) // BULK_CHUNK * BULK_CHUNK
     peer.call("link_rate", (gbps, BULK_BURST))
     try:
         result = peer.call("send", [("bulk", nbytes, Lane.RESIDUAL, -1)], b"", 30.0)
@@ -114,8 +114,11 @@ def test_lane_rate_shapes_only_its_lane(link) -> None:
     assert result["state"] == "completed"
     residual_ideal = 48 * MiB / bytes_per_s(1.0)
     # the unshaped anchor finishes far sooner than the residual could at its rate
-    assert result["lane_s"][Lane.ANCHOR] < 0.5 * residual_ideal
-    assert abs((result["data_s"] - BURST / bytes_per_s(1.0)) / residual_ideal - 1) <= 0.1, result
+    lanes = result["lane_s"]
+    assert lanes[Lane.ANCHOR] < 0.5 * residual_ideal
+    # once the anchor is done the residual runs at its own lane rate
+    residual = achieved_gbps(48 * MiB, BURST, lanes[Lane.RESIDUAL] - lanes[Lane.ANCHOR])
+    assert abs(residual - 1.0) <= 0.1, (residual, result)
 
 
 def test_rate_change_mid_stream_takes_effect(link) -> None:
