@@ -298,6 +298,8 @@ class RxLoop(IoLoop):
             self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
             return
         handle._completion.activate()
+        for lane in manifest.lanes:
+            self.counters.started(lane, self.clock.now())
         self.send(conn, FrameType.ACCEPT, pack_stream_token(sid, rx.token))
         self.finish_empty(rx)
 

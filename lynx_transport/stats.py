@@ -13,8 +13,9 @@ class LaneStats:
 
     ``bytes`` counts completed bytes (sent and finished on the sender, landed on
     the receiver). ``achieved_gbps`` is ``bytes`` over the time from the lane's
-    first chunk start to its last completion (decimal Gbit/s, 0.0 before any
-    data). ``queued_bytes`` waits for the scheduler (sender only);
+    first use (first chunk handed to UCX; on the receiver, first stream
+    accepted) to its last completion, in decimal Gbit/s (0.0 before any data);
+    it is a lifetime average, idle time included. ``queued_bytes`` waits for the scheduler (sender only);
     ``inflight_bytes`` is handed to UCX and not yet complete.
     """
 
