@@ -12,7 +12,8 @@ from the first byte handed over to the receiver's confirmation):
 * ``anchor_under_load_ratio`` - a stream's anchor lane completion time while a
   residual stream saturates a shaped link, over the ideal ``anchor bytes / rate``;
 * ``shaping_error`` - worst ``|achieved - configured| / configured`` over the
-  shaped rates, achieved = ``(bytes - burst) / time`` (a token bucket's promise).
+  shaped rates, achieved = ``(bytes - burst - chunk) / time``: the bucket lets
+  its burst plus one chunk go at once and promises the rate for the rest.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
             lynx_peer.call("link_rate", None)
             if res["state"] != "completed":
                 raise RuntimeError(f"shaped lynx stream failed: {res['error']}")
-            achieved = (shaped - burst) * 8 / res["data_s"] / 1e9
+            # a bucket lets burst + one chunk go at once, then exactly `rate`
+            achieved = (shaped - burst - chunk) * 8 / res["data_s"] / 1e9
             errors[str(gbps)] = {"achieved_gbps": round(achieved, 4),
                                  "error": round(abs(achieved - gbps) / gbps, 4)}
         tcp.close()
