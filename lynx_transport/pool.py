@@ -37,7 +37,10 @@ class ReceivePool:
     """A pre-allocated receive buffer of ``nbytes`` bytes in ``memory``.
 
     Host pools are page-aligned and pre-faulted (every page written once) at
-    creation, so transfers never pay for first-touch page faults.
+    creation, so transfers never pay for first-touch page faults. ucxx exposes
+    no explicit memory registration; UCX registers the pool on first use
+    (where the transport needs it, e.g. RDMA) and keeps it in its
+    registration cache, so the one-time cost is paid by the first stream.
 
     ``buffer`` is the whole pool as a 1-D ``uint8`` array (NumPy or CuPy).
     """

@@ -125,8 +125,10 @@ class Receiver:
         oldest unclaimed ones are dropped from this queue, not from the transport).
         """
         with self._opened_cond:
-            if not self._opened_cond.wait_for(lambda: bool(self._opened), timeout):
+            if not self._opened_cond.wait_for(lambda: bool(self._opened) or self._closed, timeout):
                 raise TransportTimeoutError(f"no stream opened within {timeout} s")
+            if not self._opened:
+                raise ClosedError("the receiver was closed")
             return self._opened.popleft()
 
     def request_rate(self, rate: Rate | None) -> None:
@@ -161,7 +163,9 @@ class Receiver:
         """Fail active streams (``ClosedError``), close connections, stop the threads."""
         if self._closed:
             return
-        self._closed = True
+        with self._opened_cond:
+            self._closed = True
+            self._opened_cond.notify_all()
         self._loop.stop(timeout)
         self._dispatch.stop(timeout)
 

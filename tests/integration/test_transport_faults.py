@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
-from lynx_transport.errors import (ConnectError, PeerDisconnectedError, StreamCancelledError)
+from lynx_transport.errors import (ClosedError, ConnectError, PeerDisconnectedError,
+                                   StreamCancelledError)
 from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
 from lynx_transport.shaper import Rate
 from lynx_transport.testing import PeerProcess, pattern, receiver_server, sender_server
@@ -263,3 +264,21 @@ def test_pool_exhaustion_waits_for_space_then_fails_with_a_clear_error() -> None
             s.release()
     finally:
         rx.close()
+
+
+def test_close_wakes_a_blocked_next_stream_with_closed_error() -> None:
+    rx = start_receiver(ReceivePool(1 << 20))
+    got: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            rx.next_stream(timeout=30)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            got.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    rx.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert len(got) == 1 and isinstance(got[0], ClosedError)
