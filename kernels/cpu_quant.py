@@ -87,13 +87,16 @@ def quantize_k(x, inv, zero, group, levels, out):  # pragma: no cover - compiled
 def quantize_v(x, inv, zero, group, levels, out):  # pragma: no cover - compiled
     """As :func:`quantize_k` with V params [H,T,G] (groups of channels)."""
     heads, tokens, dim = x.shape
+    groups = inv.shape[2]
     lv = np.float32(levels)
     for ht in prange(heads * tokens):
         h = ht // tokens
         t = ht % tokens
-        for d in range(dim):
-            g = d // group
-            out[h, t, d] = _code(x[h, t, d], zero[h, t, g], inv[h, t, g], lv)
+        for g in range(groups):
+            z = zero[h, t, g]
+            iv = inv[h, t, g]
+            for d in range(g * group, min(dim, (g + 1) * group)):
+                out[h, t, d] = _code(x[h, t, d], z, iv, lv)
 
 
 @njit(parallel=True, cache=True)
@@ -113,10 +116,13 @@ def dequant_k(values, mult, offset, scale, zero, group, out):  # pragma: no cove
 def dequant_v(values, mult, offset, scale, zero, group, out):  # pragma: no cover - compiled
     """As :func:`dequant_k` with V params [H,T,G]."""
     heads, tokens, dim = values.shape
+    groups = scale.shape[2]
     for ht in prange(heads * tokens):
         h = ht // tokens
         t = ht % tokens
-        for d in range(dim):
-            g = d // group
-            code = np.float32(values[h, t, d]) * mult + offset
-            out[h, t, d] = code * scale[h, t, g] + zero[h, t, g]
+        for g in range(groups):
+            s = scale[h, t, g]
+            z = zero[h, t, g]
+            for d in range(g * group, min(dim, (g + 1) * group)):
+                code = np.float32(values[h, t, d]) * mult + offset
+                out[h, t, d] = code * s + z
