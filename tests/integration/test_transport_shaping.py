@@ -143,7 +143,7 @@ def test_receiver_requested_rate_caps_the_sender(link) -> None:
             if peer.call("rates")["peer"] == (1.0, BURST):
                 break
         assert peer.call("rates")["peer"] == (1.0, BURST)
-        nbytes = int(bytes_per_s(1.0) * 0.5) // CHUNK * CHUNK
+        nbytes = int(bytes_per_s(1.0) * 1.0) // CHUNK * CHUNK
         result = peer.call("send", [("bulk", nbytes, Lane.RESIDUAL, -1)], b"", 30.0)
     finally:
         rx.request_rate(None)
