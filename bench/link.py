@@ -217,7 +217,11 @@ class Link:
         bypassing the shaped link). With ``UCX_TCP_PORT_RANGE`` on both ends a
         250 MB send put 261 MB through the lane's htb class and 1.1 kB (the
         listener's handshake) through the default class: data flows on the
-        worker's own ports, not the listener's."""
+        worker's own ports, not the listener's. With ``UCX_TLS`` = ``all``,
+        ``^posix,sysv`` or ``cma,tcp`` the bytes still all crossed the veth (tc
+        counters): UCX did not use cma between the namespaces. Note that a UCX
+        context given ``TLS``/``NET_DEVICES`` in its config overrides these
+        variables; ``UCX_TCP_PORT_RANGE`` still applies."""
         env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.device(side)}
         if lane is not None:
             env["UCX_TCP_PORT_RANGE"] = self.lane_ports(lane).ucx
