@@ -203,12 +203,15 @@ class RxLoop(IoLoop):
         if t is FrameType.OPEN:
             self.on_open(conn, frame.payload)
         elif t is FrameType.CANCEL:
-            rx = conn.streams.get(unpack_u64(frame.payload, "CANCEL"))
+            sid = unpack_u64(frame.payload, "CANCEL")
+            self.drop_waiting(conn, sid)
+            rx = conn.streams.get(sid)
             if rx is not None:
                 self.fail(rx, StreamCancelledError(
                     f"stream {rx.handle.stream_id} was cancelled by its sender"), StreamState.CANCELLED)
         elif t is FrameType.STREAM_FAILED:
             sid, _, text = unpack_stream_text(frame.payload)
+            self.drop_waiting(conn, sid)
             rx = conn.streams.get(sid)
             if rx is not None:
                 self.fail(rx, StreamFailedError(f"sender failed stream {sid}: {text}"),
@@ -249,6 +252,11 @@ class RxLoop(IoLoop):
             return
         self.waiting.append((self.clock.now() + self.o.config.pool_wait_s, conn, manifest))
         self.admit_waiting(self.clock.now())
+
+    def drop_waiting(self, conn: _Conn, sid: int) -> None:
+        """Forget a manifest still waiting for pool space (its sender gave it up)."""
+        self.waiting = collections.deque(
+            w for w in self.waiting if not (w[1] is conn and w[2].stream_id == sid))
 
     def admit_waiting(self, now: float) -> float | None:
         """Admit waiting manifests in arrival order while the pool has room (back-pressure).

@@ -255,11 +255,15 @@ def test_pool_exhaustion_waits_for_space_then_fails_with_a_clear_error() -> None
             assert "release finished streams" in result["error"]
             assert time.monotonic() - start >= 0.3
             assert np.all(held.view("a") == 0)  # live data untouched
+            # a stream cancelled while it waits for room is never admitted
+            sid = peer.call("start", [("d", 3 << 20, Lane.ANCHOR, -1)], b"")
+            assert peer.call("cancel", sid, 10.0)["state"] == "cancelled"
             # back-pressure: a stream waiting for room is admitted when room appears
             sid = peer.call("start", [("c", 3 << 20, Lane.ANCHOR, 4)], b"")
             held.release()
             assert peer.call("wait", sid, 30.0)["state"] == "completed"
             s = rx.next_stream(30)
+            assert [r.name for r in s.regions] == ["c"]
             assert np.array_equal(s.view("c"), pattern(4, 3 << 20))
             s.release()
     finally:
