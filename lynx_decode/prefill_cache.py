@@ -145,10 +145,11 @@ def _read(f, model_id: str, token_ids: Sequence[int], headroom: int) -> Prefill 
     shape = KVShape(*(int(x) for x in header["shape"]))
     if shape.tokens != len(ids) - 1:
         return None
+    half = shape.num_layers * shape.kv_heads * shape.tokens * shape.head_dim * 4
+    remaining = os.fstat(f.fileno()).st_size - f.tell()
+    if header["payload_bytes"] != 2 * half or remaining != 2 * half:
+        return None  # checked before allocating anything the header asks for
     kv = KVBuffers(shape, headroom=headroom)
-    half = kv.keys.size * 4
-    if header["payload_bytes"] != 2 * half:
-        return None
     crc = 0
     for dst in (kv.keys, kv.values):
         block = dst if dst.flags.c_contiguous else np.empty(dst.shape, dtype="<f4")

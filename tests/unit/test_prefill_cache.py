@@ -143,3 +143,20 @@ def test_concurrent_writers_never_expose_a_torn_entry(tmp_path: Path) -> None:
         w.join()
         assert w.exitcode == 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_header_claiming_a_huge_cache_is_a_miss_without_allocating(tmp_path: Path) -> None:
+    import json
+    import struct
+
+    cache = PrefillCache(tmp_path)
+    ids = [1, 2, 3]
+    path = cache.store(MODEL, make_prefill(ids))
+    data = path.read_bytes()
+    (size,) = struct.unpack("<I", data[8:12])
+    header = json.loads(data[12:12 + size])
+    header["shape"] = [1000, 1000, 2, 1 << 20]  # 16 TB if anyone believed it
+    header["payload_bytes"] = 2 * 1000 * 1000 * 2 * (1 << 20) * 4
+    raw = json.dumps(header).encode()
+    path.write_bytes(data[:8] + struct.pack("<I", len(raw)) + raw + data[12 + size:])
+    assert cache.load(MODEL, ids) is None
