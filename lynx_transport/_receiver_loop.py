@@ -133,7 +133,7 @@ class RxLoop(IoLoop):
         self.o = owner
         self.listen = listen
         self.conns: dict[int, _Conn] = {}
-        self.quarantine: list[tuple[float, list[tuple[int, int]], list[Any]]] = []
+        self.quarantine: list[tuple[float, list[tuple[int, int]], list[Any], int]] = []
         self.waiting: collections.deque[tuple[float, _Conn, Manifest]] = collections.deque()
         self.next_token = 1
         self.tokens_in_use: set[int] = set()
@@ -363,11 +363,11 @@ class RxLoop(IoLoop):
             return
         self.failed += 1
         rx.conn.streams.pop(h.stream_id, None)
-        self.tokens_in_use.discard(rx.token)
         requests = [p.request for q in rx.pending.values() for p in q]
         rx.pending.clear()
         blocks = [(r.offset, r.nbytes) for r in h.regions] if h._mark_released() else []
-        self.quarantine.append((self.clock.now() + QUARANTINE_S, blocks, requests))
+        # the token stays taken too: no new stream's tags may match these receives
+        self.quarantine.append((self.clock.now() + QUARANTINE_S, blocks, requests, rx.token))
         if tell_peer and not rx.conn.ctl.closed:
             try:
                 self.send(rx.conn, FrameType.STREAM_FAILED, pack_stream_text(h.stream_id, 0, str(exc)))
@@ -429,9 +429,10 @@ class RxLoop(IoLoop):
         if self.quarantine:
             keep = []
             for entry in self.quarantine:
-                until, blocks, requests = entry
+                until, blocks, requests, token = entry
                 if until <= now:
                     requests.clear()  # dropping a UCXRequest cancels it
+                    self.tokens_in_use.discard(token)
                     for off, n in blocks:
                         self.o.pool.release(off, n)
                 else:
@@ -453,7 +454,7 @@ class RxLoop(IoLoop):
             except TransportError:
                 pass
             self.drop_conn(conn, ClosedError("the receiver was closed"))
-        for _, blocks, requests in self.quarantine:
+        for _, blocks, requests, _ in self.quarantine:
             requests.clear()
             for off, n in blocks:
                 self.o.pool.release(off, n)
