@@ -46,6 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shaping-gbps", default="0.5,1,4",
                         help="comma-separated rates for the shaping-error run (default 0.5,1,4)")
     parser.add_argument("--quick", action="store_true", help="one round, fewer messages")
+    parser.add_argument("--check", action="store_true",
+                        help="exit with status 1 when a target is missed (see TARGETS)")
+
+
+#: The issue's targets: lynx >= 0.9x ucx_perftest and >= 1.0x asyncio TCP for
+#: 64 MiB messages, anchor_under_load_ratio <= 1.1, shaping_error <= 0.05.
+TARGETS = {
+    "lynx_vs_ucx_perftest": (">=", 0.9),
+    "lynx_vs_asyncio_tcp": (">=", 1.0),
+    "anchor_under_load_ratio": ("<=", 1.1),
+    "shaping_error": ("<=", 0.05),
+}
 
 
 def _median_gbps(nbytes: int, seconds: list[float]) -> float:
@@ -177,6 +189,8 @@ def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     }
     result["lynx_vs_ucx_perftest"] = round(lynx / result["ucx_perftest_gbps"], 3)
     result["lynx_vs_asyncio_tcp"] = round(lynx / result["asyncio_tcp_gbps"], 3)
+    result["targets_met"] = {k: (result[k] >= v if op == ">=" else result[k] <= v)
+                             for k, (op, v) in TARGETS.items()}
     return result
 
 
@@ -187,7 +201,10 @@ def run(args: argparse.Namespace) -> int:
             "lynx_vs_ucx_perftest", "lynx_vs_asyncio_tcp", "anchor_under_load_ratio",
             "shaping_error"]
     for key in keys:
-        print(f"{key:<26} {result[key]}")
+        target = TARGETS.get(key)
+        mark = "" if target is None else (
+            f"   (target {target[0]} {target[1]}: {'met' if result['targets_met'][key] else 'MISSED'})")
+        print(f"{key:<26} {result[key]}{mark}")
     d = result["details"]
     print(f"(messages of {d['message_bytes']} B, UCX_TLS={d['ucx_tls']}, error handling: "
           f"{d['ucx_error_handling']})")
@@ -201,4 +218,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    if args.check and not all(result["targets_met"].values()):
+        return 1
     return 0
