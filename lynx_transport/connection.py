@@ -133,6 +133,9 @@ class _TxLoop(IoLoop):
             if tx is not None and tx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
                 self.completed += 1
                 self.forget(tx)
+                # every byte is at the receiver: stop holding the caller's buffers
+                # (a failed stream keeps them until its UCX requests are dropped)
+                tx.views = [None] * len(tx.views)
         elif t is FrameType.STREAM_FAILED:
             sid, _, text = unpack_stream_text(frame.payload)
             tx = self.streams.get(sid)
