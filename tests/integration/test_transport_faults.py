@@ -286,3 +286,31 @@ def test_close_wakes_a_blocked_next_stream_with_closed_error() -> None:
     t.join(10)
     assert not t.is_alive()
     assert len(got) == 1 and isinstance(got[0], ClosedError)
+
+
+def _lynx_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("lynx-"))
+
+
+def _one_cycle() -> None:
+    pool = ReceivePool(8 << 20)
+    with Receiver(pool, config=CONFIG) as rx, connect(rx.address, timeout=10, config=CONFIG) as conn:
+        data = pattern(9, 3 << 20)
+        s = conn.send_stream([("a", data, Lane.ANCHOR)])
+        stream = rx.next_stream(30)
+        s.wait(30)
+        stream.wait(30)
+        assert np.array_equal(stream.view("a"), data)
+        stream.release()
+    assert pool.free_bytes == pool.nbytes
+
+
+def test_close_leaves_no_threads_or_file_descriptors_behind() -> None:
+    import psutil
+
+    _one_cycle()  # UCX's process-wide state (e.g. its own fds) is created once
+    before = psutil.Process().num_fds()
+    for _ in range(3):
+        _one_cycle()
+    assert _lynx_threads() == []
+    assert psutil.Process().num_fds() <= before
