@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import shlex
 import sys
 import time
@@ -120,7 +121,8 @@ def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator
         from lynx_bench.link_config import LinkConfig  # noqa: PLC0415
 
         assert bandwidth is not None
-        link = Link(LinkConfig(rate_gbps=bandwidth)).up()
+        # A prefix of our own, so a link someone left up by hand does not collide.
+        link = Link(LinkConfig(rate_gbps=bandwidth, prefix=f"lxs{os.getpid() % 100000}")).up()
         serve_env, worker_env = link.ucx_env("tx"), link.ucx_env("rx")
         listen, listen_host = f"{link.address('tx')}:0", link.address("rx")
     serve = worker = None
@@ -238,8 +240,6 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     config.validate(max_context=_default_context_window())
     if config.link is LinkMode.NETNS:
-        import os  # noqa: PLC0415
-
         if os.geteuid() != 0:
             raise ConfigError("--link netns needs root (network namespaces and tc); "
                               "use --link shaper (the default) to shape in the transport instead")
