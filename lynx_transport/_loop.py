@@ -80,6 +80,14 @@ class IoLoop:
         self.wake()
         return fut
 
+    def discard(self) -> None:
+        """Free the resources of a loop that was never started (construction failed)."""
+        self.release_ucx()
+        self.worker.close()
+        self.selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
     def wake(self) -> None:
         try:
             self._wake_w.send(b"\0")

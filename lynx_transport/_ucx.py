@@ -72,6 +72,17 @@ class UcxWorker:
         return self._worker.tag_recv(_array(view), self._lib.UCXXTag(tag))
 
     def endpoint(self, address: bytes) -> Any:
+        """An endpoint to the worker at ``address`` (from the peer's WELCOME).
+
+        UCX asserts (aborting the process) on an address of the wrong format
+        version, so that much is checked here against this worker's own
+        address. UCX does not validate the rest; only connect to receivers you
+        trust (the shared-secret handshake of issue 6 belongs before this).
+        """
+        own = self.address
+        if not address or (address[0] & 0x0F) != (own[0] & 0x0F):
+            raise ConnectError("the receiver's UCX worker address is malformed "
+                               "(wrong UCX address version)")
         try:
             addr = self._lib.UCXAddress.create_from_buffer(address)
             return self._worker.create_endpoint_from_worker_address(addr, False)

@@ -74,19 +74,23 @@ class _TxLoop(IoLoop):
         super().__init__("lynx-tx-io", owner.config.ucx_tls, owner.clock)
         cfg = owner.config
         self.o = owner
+        self.inflight: list[tuple[Any, Chunk, _TxStream]] = []
+        self.quarantine: list[tuple[float, list[Any]]] = []
+        self.ep: Any = None
+        try:
+            self.ep = self.worker.endpoint(address)
+        except BaseException:
+            self.discard()
+            raise
         self.ctl = ControlSocket(sock, 1 << 16, self.clock.now())
-        self.ctl.last_rx = self.clock.now()
-        self.ep = self.worker.endpoint(address)
         self.shaper = Shaper(self.clock, cfg.link_rate, dict(cfg.lane_rates))
         self.sched = PriorityScheduler(self.clock, chunk_bytes=cfg.chunk_bytes,
                                        max_inflight_bytes=cfg.max_inflight_bytes, shaper=self.shaper)
         self.streams: dict[int, _TxStream] = {}
-        self.inflight: list[tuple[Any, Chunk, _TxStream]] = []
         self.counters = LaneCounters()
         self.completed = 0
         self.failed = 0
         self.broken: TransportError | None = None
-        self.quarantine: list[tuple[float, list[Any]]] = []
         self.selector.register(sock, selectors.EVENT_READ, self.on_readable)
 
     def send(self, ftype: FrameType, payload: bytes = b"") -> None:

@@ -314,3 +314,25 @@ def test_close_leaves_no_threads_or_file_descriptors_behind() -> None:
         _one_cycle()
     assert _lynx_threads() == []
     assert psutil.Process().num_fds() <= before
+
+
+def test_a_welcome_with_a_garbage_worker_address_is_a_connect_error() -> None:
+    from lynx_transport.wire import pack_welcome
+
+    with socket.socket() as fake:
+        fake.bind(("127.0.0.1", 0))
+        fake.listen()
+
+        def serve() -> None:
+            conn, _ = fake.accept()
+            with conn:
+                conn.recv(100)
+                conn.sendall(encode_frame(FrameType.WELCOME, pack_welcome(b"garbage", 0.0, 0)))
+                conn.recv(100)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        with pytest.raises(ConnectError, match="malformed"):
+            connect(fake.getsockname(), timeout=5)
+        t.join(10)
+    assert _lynx_threads() == []
