@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import ipaddress
 import logging
+import secrets
 import selectors
 import socket
 from typing import TYPE_CHECKING, Any
@@ -135,7 +136,6 @@ class RxLoop(IoLoop):
         self.conns: dict[int, _Conn] = {}
         self.quarantine: list[tuple[float, list[tuple[int, int]], list[Any], int]] = []
         self.waiting: collections.deque[tuple[float, _Conn, Manifest]] = collections.deque()
-        self.next_token = 1
         self.tokens_in_use: set[int] = set()
         self.counters = LaneCounters()
         self.completed = 0
@@ -228,10 +228,10 @@ class RxLoop(IoLoop):
         self.send(conn, FrameType.REJECT, pack_stream_text(sid, reason, text))
 
     def alloc_token(self) -> int:
-        for _ in range(1 << 20):
-            token = self.next_token
-            self.next_token = token % 0xFFFFFFFF + 1
-            if token not in self.tokens_in_use:
+        """A random 32-bit tag token, not in use (not guessable by another UCX peer)."""
+        for _ in range(1000):
+            token = secrets.randbits(32)
+            if token and token not in self.tokens_in_use:
                 self.tokens_in_use.add(token)
                 return token
         raise TransportError("no free stream token")
