@@ -95,6 +95,11 @@ class PeerProcess:
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.join(10)
 
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the child (e.g. ``SIGSTOP`` to make it silent without closing)."""
+        if self.process.pid is not None and self.process.is_alive():
+            os.kill(self.process.pid, signum)
+
     def close(self, timeout: float = 10.0) -> None:
         if self.process.is_alive():
             try:

@@ -92,6 +92,32 @@ def test_sender_killed_mid_stream_fails_the_stream_within_two_seconds() -> None:
         rx.close()
 
 
+def test_stalled_sender_is_detected_by_heartbeats_within_two_seconds() -> None:
+    import signal
+
+    pool = ReceivePool(128 << 20)
+    landed = threading.Event()
+    rx = start_receiver(pool, on_chunk=lambda s, r, off, n: landed.set())
+    try:
+        peer = spawn_sender(rx)
+        try:
+            peer.call("link_rate", (0.5, 64 * 1024))
+            peer.call("start", [("big", 64 << 20, Lane.RESIDUAL, -1)], b"")
+            stream = rx.next_stream(30)
+            assert landed.wait(30)
+            stopped = time.monotonic()
+            peer.signal(signal.SIGSTOP)  # alive, socket open, silent
+            with pytest.raises(PeerDisconnectedError, match="silent"):
+                stream.wait(timeout=5)
+            assert time.monotonic() - stopped < 2.0
+            assert stream.state is StreamState.FAILED
+        finally:
+            peer.signal(signal.SIGCONT)
+            peer.kill()
+    finally:
+        rx.close()
+
+
 def test_receiver_killed_mid_stream_fails_the_senders_stream_within_two_seconds() -> None:
     with PeerProcess(receiver_server, 128 << 20, CONFIG) as peer:
         address = peer.reply(60)
