@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLUMNS", "Row", "write_results", "read_results", "summary_table", "medians"]
+__all__ = ["COLUMNS", "Row", "write_results", "read_results", "summary_table", "medians",
+           "ttft_ratios", "ratio_table"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,4 +103,34 @@ def summary_table(rows: Sequence[Row]) -> str:
             f"{_fmt(med['e2e_s'].get(k), '8.3f'):>8} {_fmt(med['acceptance_rate'].get(k), '6.2f'):>6} "
             f"{_fmt(med['accuracy'].get(k), '5.2f'):>5} {_fmt(med['agreement_vs_int8'].get(k), '5.2f'):>5}"
         )
+    return "\n".join(lines)
+
+
+def ttft_ratios(rows: Sequence[Row]) -> list[dict[str, float | int | None]]:
+    """Per (bandwidth, context): median ``ttft_s(int8) / ttft_s(lynx)`` (the paper's
+    speed-up over 8-bit) and ``ttft_s(lynx) / ttft_s(int4)`` (closeness to 4-bit),
+    with the fraction of Lynx runs equal to INT8 decoding."""
+    med = medians(rows, "ttft_s")
+    out = []
+    for bw, ctx in sorted({(r.bandwidth_gbps, r.context) for r in rows}):
+        lynx, int8, int4 = (med.get((s, bw, ctx)) for s in ("lynx", "int8", "int4"))
+        agree = [r.agreement_vs_int8 for r in rows
+                 if r.scheme == "lynx" and r.bandwidth_gbps == bw and r.context == ctx
+                 and r.agreement_vs_int8 is not None]
+        out.append({
+            "bandwidth_gbps": bw, "context": ctx,
+            "int8_over_lynx": int8 / lynx if int8 and lynx else None,
+            "lynx_over_int4": lynx / int4 if lynx and int4 else None,
+            "lynx_equal_to_int8": sum(agree) / len(agree) if agree else None,
+        })
+    return out
+
+
+def ratio_table(rows: Sequence[Row]) -> str:
+    """:func:`ttft_ratios` as text."""
+    lines = [f"{'Gbit/s':>7} {'context':>7} {'int8/lynx':>9} {'lynx/int4':>9} {'lynx=int8':>9}"]
+    for r in ttft_ratios(rows):
+        lines.append(f"{r['bandwidth_gbps']:>7g} {r['context']:>7d} "
+                     f"{_fmt(r['int8_over_lynx'], '9.2f'):>9} {_fmt(r['lynx_over_int4'], '9.2f'):>9} "
+                     f"{_fmt(r['lynx_equal_to_int8'], '9.2f'):>9}")
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lynx_bench.processes import Child, ChildError
-from lynx_bench.results import Row, summary_table, write_results
+from lynx_bench.results import Row, ratio_table, summary_table, write_results
 from lynx_bench.sweep_config import (QUICK, SCHEMES, LinkMode, SweepConfig, parse_floats,
                                      parse_ints)
 from lynx_transport.errors import ConfigError
@@ -254,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
         print(json_path.read_text())
     else:
         print(summary_table(rows))
+        print()
+        print("median ttft_s ratios (Lynx against the INT8 and INT4 baselines, same run):")
+        print(ratio_table(rows))
         print()
     for path in (json_path, csv_path, ttft_png, acc_png):
         print(f"wrote {path}")

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from lynx_bench.plots import plot_accuracy, plot_ttft_vs_bandwidth
-from lynx_bench.results import COLUMNS, Row, read_results, summary_table, write_results
+from lynx_bench.results import (COLUMNS, Row, ratio_table, read_results, summary_table,
+                                ttft_ratios, write_results)
 
 
 def _rows() -> list[Row]:
@@ -59,3 +60,12 @@ def test_plots_render_png(tmp_path: Path) -> None:
         path = fn(_rows(), tmp_path / name)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 10_000
+
+
+def test_ttft_ratios_against_baselines() -> None:
+    ratios = {(r["bandwidth_gbps"], r["context"]): r for r in ttft_ratios(_rows())}
+    one = ratios[(1.0, 1024)]
+    assert one["int8_over_lynx"] == pytest.approx(2.005 / 1.055)
+    assert one["lynx_over_int4"] == pytest.approx(1.055 / 1.005)
+    assert one["lynx_equal_to_int8"] == 1.0
+    assert "int8/lynx" in ratio_table(_rows())
