@@ -27,6 +27,10 @@ class ControlSocket:
         self.last_tx = now
         self.closed = False
 
+    def limit(self, max_payload: int) -> None:
+        """Change the largest frame payload accepted from now on (small before authentication)."""
+        self._decoder.max_payload = max_payload
+
     def fileno(self) -> int:
         return self.sock.fileno()
 

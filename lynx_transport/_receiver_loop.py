@@ -13,21 +13,24 @@ import logging
 import secrets
 import selectors
 import socket
+import zlib
 from typing import TYPE_CHECKING, Any
 
-from lynx_transport import _ucx
+from lynx_transport import _auth, _ucx
 from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
-from lynx_transport.errors import (ClosedError, ManifestError, PeerDisconnectedError,
+from lynx_transport.errors import (AuthenticationError, ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
                                    PoolExhaustedError, ProtocolError, StreamCancelledError,
                                    StreamFailedError, TransportError)
 from lynx_transport.manifest import Manifest, decode_manifest
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
-from lynx_transport.wire import (Frame, FrameType, OversizedFrame, RejectReason,
-                                 pack_stream_lane, pack_stream_text, pack_stream_token,
-                                 pack_u64, pack_welcome, unpack_stream_text, unpack_u64)
+from lynx_transport.wire import (NONCE_BYTES, Frame, FrameType, HelloFlags, OversizedFrame,
+                                 RejectReason, WelcomeFlags, pack_challenge, pack_stream_lane,
+                                 pack_stream_text, pack_stream_token, pack_u64, pack_welcome,
+                                 unpack_chunk_sum, unpack_hello, unpack_proof,
+                                 unpack_stream_text, unpack_u64)
 
 if TYPE_CHECKING:
     from lynx_transport.receiver import Receiver
@@ -46,6 +49,9 @@ QUARANTINE_S = 0.2
 #: Opened streams kept for ``Receiver.next_stream`` until claimed.
 MAX_UNCLAIMED = 1024
 
+#: Largest frame a peer may send before the handshake is done.
+HANDSHAKE_MAX_PAYLOAD = 256
+
 #: Heartbeats and quarantine may run this late; keeps the loop polling, not sleeping.
 HOUSEKEEPING_SLACK_S = 0.01
 
@@ -57,6 +63,8 @@ class _Pending:
     region: int
     offset: int
     nbytes: int
+    index: int  # the chunk's number in the stream (tag low bits)
+    lane: int = 0
 
 
 class _LaneQueue:
@@ -107,12 +115,19 @@ class _RxStream:
             self.lane_left[r.lane] += r.nbytes
         self.lanes_open = set(self.lane_left)
         self.left = m.total_bytes
+        self.chunk_total = m.chunk_total
+        # verify_chunks: CRC32s announced by the sender, and chunks landed before their CRC
+        self.sums: dict[int, tuple[int, int]] = {}
+        self.unverified: dict[int, _Pending] = {}
+        self.verified: set[int] = set()
 
 
 class _Conn:
-    def __init__(self, ctl: ControlSocket) -> None:
+    def __init__(self, ctl: ControlSocket, now: float) -> None:
         self.ctl = ctl
-        self.hello = False
+        self.accepted_at = now
+        self.hello = False          # True once WELCOME went out (authenticated if required)
+        self.challenge: tuple[bytes, bytes] | None = None  # (nonce_s, nonce_r) awaiting PROOF
         self.streams: dict[int, _RxStream] = {}
 
 
@@ -153,7 +168,8 @@ class RxLoop(IoLoop):
             except OSError as exc:
                 log.warning("accept failed: %s", exc)
                 return
-            conn = _Conn(ControlSocket(sock, self.max_payload, self.clock.now()))
+            now = self.clock.now()
+            conn = _Conn(ControlSocket(sock, HANDSHAKE_MAX_PAYLOAD, now), now)
             self.conns[conn.ctl.fileno()] = conn
             self.selector.register(sock, selectors.EVENT_READ, self.on_readable)
 
@@ -167,10 +183,10 @@ class RxLoop(IoLoop):
         except TransportError as exc:
             self.drop_conn(conn, exc)
 
-    def drop_conn(self, conn: _Conn, exc: TransportError) -> None:
+    def drop_conn(self, conn: _Conn, exc: TransportError, quiet: bool = False) -> None:
         if conn.ctl.closed:
             return
-        if not isinstance(exc, (PeerDisconnectedError, ClosedError)):
+        if not quiet and not isinstance(exc, (PeerDisconnectedError, ClosedError)):
             log.warning("dropping control connection from %s: %s", conn.ctl.peer, exc)
         for rx in list(conn.streams.values()):
             self.fail(rx, exc, StreamState.FAILED)
@@ -187,12 +203,7 @@ class RxLoop(IoLoop):
 
     def on_frame(self, conn: _Conn, frame: Frame | OversizedFrame) -> None:
         if not conn.hello:
-            if not isinstance(frame, Frame) or frame.type is not FrameType.HELLO:
-                raise ProtocolError("the first frame on a connection must be HELLO")
-            conn.hello = True
-            rate = self.o._requested_rate
-            self.send(conn, FrameType.WELCOME, pack_welcome(
-                self.worker.address, rate.gbps if rate else 0.0, rate.burst_bytes if rate else 0))
+            self.on_handshake(conn, frame)
             return
         if isinstance(frame, OversizedFrame):
             sid = int.from_bytes(frame.prefix[:8].ljust(8, b"\0"), "big")
@@ -216,12 +227,62 @@ class RxLoop(IoLoop):
             if rx is not None:
                 self.fail(rx, StreamFailedError(f"sender failed stream {sid}: {text}"),
                           StreamState.FAILED)
+        elif t is FrameType.CHUNK_SUM:
+            if not self.o.config.verify_chunks:
+                raise ProtocolError("CHUNK_SUM from a sender that was not asked for checksums")
+            self.on_chunk_sum(conn, frame.payload)
         elif t is FrameType.HEARTBEAT:
             pass
         elif t is FrameType.GOODBYE:
             self.drop_conn(conn, PeerDisconnectedError(f"peer {conn.ctl.peer} closed the connection"))
         else:
             raise ProtocolError(f"unexpected {t.name} frame from a sender")
+
+    def on_handshake(self, conn: _Conn, frame: Frame | OversizedFrame) -> None:
+        """HELLO [-> CHALLENGE, PROOF] -> WELCOME; see :mod:`lynx_transport._auth`."""
+        secret = self.o.config.secret
+        if isinstance(frame, Frame) and frame.type is FrameType.HELLO and conn.challenge is None:
+            flags, nonce_s = unpack_hello(frame.payload)
+            if secret is None:
+                self.welcome(conn)
+            elif not flags & HelloFlags.AUTH:
+                self.deny(conn, "this receiver requires a shared secret; the sender has none")
+            else:
+                nonce_r = secrets.token_bytes(NONCE_BYTES)
+                conn.challenge = (nonce_s, nonce_r)
+                self.send(conn, FrameType.CHALLENGE,
+                          pack_challenge(nonce_r, _auth.receiver_mac(secret, nonce_s, nonce_r)))
+            return
+        if (isinstance(frame, Frame) and frame.type is FrameType.PROOF
+                and conn.challenge is not None and secret is not None):
+            nonce_s, nonce_r = conn.challenge
+            if _auth.verify(_auth.sender_mac(secret, nonce_r, nonce_s), unpack_proof(frame.payload)):
+                conn.challenge = None
+                self.welcome(conn)
+            else:
+                self.deny(conn, "wrong shared secret")
+            return
+        if secret is not None:
+            self.deny(conn, f"unexpected {frame.type.name} frame before authentication")
+            return
+        raise ProtocolError("the first frame on a connection must be HELLO")
+
+    def welcome(self, conn: _Conn) -> None:
+        conn.hello = True
+        conn.ctl.limit(self.max_payload)
+        rate = self.o._requested_rate
+        flags = WelcomeFlags.CHUNK_SUMS if self.o.config.verify_chunks else WelcomeFlags.NONE
+        self.send(conn, FrameType.WELCOME, pack_welcome(
+            self.worker.address, rate.gbps if rate else 0.0, rate.burst_bytes if rate else 0, flags))
+
+    def deny(self, conn: _Conn, why: str) -> None:
+        """Refuse an unauthenticated peer: logged with its address, told why, disconnected."""
+        log.warning("refused connection from %s: authentication failed (%s)", conn.ctl.peer, why)
+        try:
+            self.send(conn, FrameType.DENIED, pack_stream_text(0, 0, why))
+        except TransportError:
+            pass
+        self.drop_conn(conn, AuthenticationError(f"peer {conn.ctl.peer}: {why}"), quiet=True)
 
     def reject(self, conn: _Conn, sid: int, reason: RejectReason, text: str) -> None:
         log.warning("rejected stream %d from %s: %s", sid, conn.ctl.peer, text)
@@ -323,7 +384,7 @@ class RxLoop(IoLoop):
                     req = self.worker.tag_recv(pool.view(r.offset + off, n), base | (first + k))
                 except Exception as exc:
                     raise TransportError(f"cannot post a UCX receive: {exc}") from exc
-                q.append(_Pending(req, i, off, n))
+                q.append(_Pending(req, i, off, n, first + k, r.lane))
 
     def finish_empty(self, rx: _RxStream) -> None:
         """Regions and lanes with no bytes are complete as soon as the stream opens."""
@@ -375,12 +436,72 @@ class RxLoop(IoLoop):
                 pass
         self.o._dispatch.post(self.o._cb["on_stream_failed"], h, exc)
 
+    def chunk_landed(self, rx: _RxStream, p: _Pending, now: float) -> None:
+        """Account one chunk whose bytes are in place (and verified, if asked)."""
+        lane = p.lane
+        self.counters.add(lane, p.nbytes, now)
+        region = rx.handle.regions[p.region]
+        on_chunk = self.o._cb["on_chunk"]
+        if on_chunk is not None:
+            self.o._dispatch.post(on_chunk, rx.handle, region, p.offset, p.nbytes)
+        rx.region_left[p.region] -= p.nbytes
+        rx.lane_left[lane] -= p.nbytes
+        rx.left -= p.nbytes
+        if rx.region_left[p.region] == 0:
+            self.region_landed(rx, p.region)
+        if rx.lane_left[lane] == 0:
+            self.lane_landed(rx, lane)
+        if rx.left == 0:
+            self.stream_landed(rx)
+
+    def verify_chunk(self, rx: _RxStream, p: _Pending) -> bool:
+        """True when ``p``'s bytes match the sender's CHUNK_SUM; parks it until the sum arrives.
+
+        A mismatch (a short, long or corrupted chunk) fails the stream.
+        """
+        got = rx.sums.pop(p.index, None)
+        if got is None:
+            rx.unverified[p.index] = p
+            return False
+        nbytes, crc = got
+        region = rx.handle.regions[p.region]
+        actual = zlib.crc32(self.o.pool.view(region.offset + p.offset, p.nbytes)
+                            if self.o.pool.device is None else
+                            self.o.pool.view(region.offset + p.offset, p.nbytes).get())
+        if nbytes != p.nbytes or actual != crc:
+            self.fail(rx, ProtocolError(
+                f"stream {rx.handle.stream_id}: chunk {p.index} of region {region.name!r} does not "
+                f"match the sender's checksum (announced {nbytes} bytes, expected {p.nbytes}): "
+                "short, long or corrupted chunk"), StreamState.FAILED, tell_peer=True)
+            return False
+        rx.verified.add(p.index)
+        return True
+
+    def on_chunk_sum(self, conn: _Conn, payload: bytes) -> None:
+        sid, index, nbytes, crc = unpack_chunk_sum(payload)
+        rx = conn.streams.get(sid)
+        if rx is None:
+            return  # the stream already ended (failed or cancelled): a late sum is harmless
+        if index >= rx.chunk_total:
+            self.fail(rx, ProtocolError(f"stream {sid}: CHUNK_SUM for chunk {index}, but the "
+                                        f"manifest has {rx.chunk_total} chunks"),
+                      StreamState.FAILED, tell_peer=True)
+            return
+        if index in rx.sums or index in rx.verified:
+            self.fail(rx, ProtocolError(f"stream {sid}: duplicate CHUNK_SUM for chunk {index}"),
+                      StreamState.FAILED, tell_peer=True)
+            return
+        rx.sums[index] = (nbytes, crc)
+        p = rx.unverified.pop(index, None)
+        if p is not None and self.verify_chunk(rx, p):
+            self.chunk_landed(rx, p, self.clock.now())
+
     # -- the loop body ------------------------------------------------------------------------
     def step(self) -> tuple[bool, bool, float | None]:
         progressed = False
         pending = False
         now = self.clock.now()
-        on_chunk = self.o._cb["on_chunk"]
+        verify = self.o.config.verify_chunks
         for conn in list(self.conns.values()):
             for rx in list(conn.streams.values()):
                 for lane, q in list(rx.pending.items()):
@@ -391,19 +512,13 @@ class RxLoop(IoLoop):
                         except TransportError as exc:
                             self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
                             break
-                        self.counters.add(lane, p.nbytes, now)
-                        region = rx.handle.regions[p.region]
-                        if on_chunk is not None:
-                            self.o._dispatch.post(on_chunk, rx.handle, region, p.offset, p.nbytes)
-                        rx.region_left[p.region] -= p.nbytes
-                        rx.lane_left[lane] -= p.nbytes
-                        rx.left -= p.nbytes
-                        if rx.region_left[p.region] == 0:
-                            self.region_landed(rx, p.region)
-                        if rx.lane_left[lane] == 0:
-                            self.lane_landed(rx, lane)
-                        if rx.left == 0:
-                            self.stream_landed(rx)
+                        if verify and not self.verify_chunk(rx, p):
+                            if rx.handle.state.terminal:
+                                break
+                            continue  # parked until its CHUNK_SUM arrives
+                        self.chunk_landed(rx, p, now)
+                        if rx.handle.state.terminal:
+                            break
                     if rx.handle.state.terminal:
                         break
                     pending = pending or bool(q)
@@ -416,6 +531,9 @@ class RxLoop(IoLoop):
         for conn in list(self.conns.values()):
             try:
                 conn.ctl.flush()
+                if not conn.hello and now - conn.accepted_at > cfg.handshake_timeout_s:
+                    raise ConnectError(f"peer {conn.ctl.peer} did not finish the handshake "
+                                       f"within {cfg.handshake_timeout_s} s")
                 if now - conn.ctl.last_rx > cfg.peer_timeout_s:
                     raise PeerDisconnectedError(
                         f"peer {conn.ctl.peer} silent for {now - conn.ctl.last_rx:.2f} s "
@@ -426,6 +544,8 @@ class RxLoop(IoLoop):
                 self.drop_conn(conn, exc)
                 continue
             deadline = min(deadline, conn.ctl.last_rx + cfg.peer_timeout_s)
+            if not conn.hello:
+                deadline = min(deadline, conn.accepted_at + cfg.handshake_timeout_s)
         if self.quarantine:
             keep = []
             for entry in self.quarantine:

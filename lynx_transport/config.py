@@ -8,7 +8,10 @@ from lynx_transport.lanes import check_lane
 from lynx_transport.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ManifestLimits
 from lynx_transport.shaper import Rate
 
-__all__ = ["TransportConfig"]
+__all__ = ["TransportConfig", "MIN_SECRET_BYTES"]
+
+#: Shortest shared secret accepted (bytes).
+MIN_SECRET_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,24 @@ class TransportConfig:
         with ``Connection.set_link_rate`` / ``set_lane_rate``.
     manifest_limits:
         What a receiver accepts (and what a sender checks before sending).
+    secret:
+        Optional shared secret (bytes, at least 16). When set, the control
+        handshake is a mutual HMAC-SHA256 challenge-response (see
+        :mod:`lynx_transport._auth`): a receiver refuses (``DENIED``, logged
+        with the peer address) a sender without it before exposing its UCX
+        worker address or any pool memory, and a sender refuses
+        (``AuthenticationError``) a receiver that cannot prove it. Never part
+        of ``repr`` or any log line.
+    handshake_timeout_s:
+        A receiver drops a connection that has not finished the handshake
+        (HELLO, and PROOF when a secret is set) within this time.
+    verify_chunks:
+        Receiver side: ask senders for a CRC32 of every chunk on the control
+        channel (``CHUNK_SUM``) and count a chunk as landed only when the
+        bytes in the pool match it. UCX does not report how many bytes a
+        tagged receive got, so without this a sender that sends a short chunk
+        would leave stale pool bytes counted as landed. Costs a CRC32 of
+        every byte on both sides (host memory; device chunks are copied).
     pool_wait_s:
         Back-pressure: a stream that does not fit in the receive pool waits up
         to this long for released space before it is rejected
@@ -63,6 +84,9 @@ class TransportConfig:
     lane_rates: tuple[tuple[int, Rate], ...] = ()
     manifest_limits: ManifestLimits = ManifestLimits()
     pool_wait_s: float = 2.0
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
+    handshake_timeout_s: float = 5.0
+    verify_chunks: bool = False
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -75,6 +99,11 @@ class TransportConfig:
                              f"{self.heartbeat_interval_s} and {self.peer_timeout_s}")
         if self.pool_wait_s < 0:
             raise ValueError(f"pool_wait_s must be >= 0, got {self.pool_wait_s}")
+        if self.secret is not None and (not isinstance(self.secret, bytes)
+                                        or len(self.secret) < MIN_SECRET_BYTES):
+            raise ValueError(f"secret must be bytes of length >= {MIN_SECRET_BYTES}")
+        if self.handshake_timeout_s <= 0:
+            raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if not self.ucx_tls:
             raise ValueError("ucx_tls must not be empty")
         for lane, rate in self.lane_rates:

@@ -25,17 +25,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import secrets
 import selectors
 import socket
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from lynx_transport import _ucx
+from lynx_transport import _auth, _ucx
 from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
 from lynx_transport.clock import Clock, MonotonicClock
 from lynx_transport.config import TransportConfig
-from lynx_transport.errors import (ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
+from lynx_transport.errors import (AuthenticationError, ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
                                    PoolExhaustedError, ProtocolError, StreamCancelledError,
                                    StreamFailedError, TransportError, TransportTimeoutError)
 from lynx_transport.lanes import check_lane
@@ -45,8 +47,9 @@ from lynx_transport.send_stream import SendStream
 from lynx_transport.shaper import Rate, Shaper
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
-from lynx_transport.wire import (Frame, FrameDecoder, FrameType, OversizedFrame, RejectReason,
-                                 encode_frame, pack_u64, unpack_rate,
+from lynx_transport.wire import (NONCE_BYTES, Frame, FrameDecoder, FrameType, HelloFlags,
+                                 OversizedFrame, RejectReason, WelcomeFlags, encode_frame,
+                                 pack_chunk_sum, pack_hello, pack_u64, unpack_challenge, unpack_rate,
                                  unpack_stream_lane, unpack_stream_text, unpack_stream_token,
                                  unpack_u64, unpack_welcome)
 
@@ -260,6 +263,14 @@ class _TxLoop(IoLoop):
                 tx = self.streams[chunk.stream_id]
                 view = tx.views[chunk.region][chunk.offset:chunk.offset + chunk.nbytes]
                 self.counters.started(chunk.lane, now)
+                if self.o._chunk_sums:
+                    try:
+                        self.send(FrameType.CHUNK_SUM, pack_chunk_sum(
+                            chunk.stream_id, chunk.index, chunk.nbytes, _crc32(view)))
+                    except TransportError as exc:
+                        self.sched.complete(chunk)
+                        self.break_connection(exc)
+                        return True, False, None
                 try:
                     req = self.worker.tag_send(self.ep, view, (tx.token << 32) | chunk.index)
                 except Exception as exc:  # noqa: BLE001 - mapped and reported
@@ -323,13 +334,21 @@ class _TxLoop(IoLoop):
                               self.completed, self.failed)
 
 
+def _crc32(view: Any) -> int:
+    """CRC32 of a chunk (host memory directly; device memory through a host copy)."""
+    if hasattr(view, "__cuda_array_interface__"):
+        view = view.get()
+    return zlib.crc32(view)
+
+
 class Connection:
     """A connection to one receiver. Create it with :func:`connect`."""
 
     def __init__(self, sock: socket.socket, address: bytes, peer_rate: Rate | None,
-                 config: TransportConfig, clock: Clock) -> None:
+                 config: TransportConfig, clock: Clock, chunk_sums: bool = False) -> None:
         self.config = config
         self.clock = clock
+        self._chunk_sums = chunk_sums
         self._ids = itertools.count(1)
         self._closed = False
         self._loop = _TxLoop(self, sock, address)
@@ -414,9 +433,14 @@ class Connection:
         self.close()
 
 
-def _handshake(sock: socket.socket, deadline: float, clock: Clock) -> tuple[bytes, Rate | None]:
-    sock.sendall(encode_frame(FrameType.HELLO))
+def _handshake(sock: socket.socket, deadline: float, clock: Clock,
+               secret: bytes | None) -> tuple[bytes, Rate | None, WelcomeFlags]:
+    """HELLO -> [CHALLENGE -> PROOF ->] WELCOME; see :mod:`lynx_transport._auth`."""
+    nonce_s = secrets.token_bytes(NONCE_BYTES)
+    flags = HelloFlags.AUTH if secret is not None else HelloFlags.NONE
+    sock.sendall(encode_frame(FrameType.HELLO, pack_hello(flags, nonce_s)))
     decoder = FrameDecoder(1 << 17)
+    proved = False
     while True:
         left = deadline - clock.now()
         if left <= 0:
@@ -426,10 +450,27 @@ def _handshake(sock: socket.socket, deadline: float, clock: Clock) -> tuple[byte
         if not data:
             raise ConnectError("the receiver closed the connection during the handshake")
         for frame in decoder.feed(data):
-            if not isinstance(frame, Frame) or frame.type is not FrameType.WELCOME:
-                raise ConnectError(f"expected WELCOME from the receiver, got {frame}")
-            address, gbps, burst = unpack_welcome(frame.payload)
-            return address, (Rate(gbps, burst) if gbps > 0 else None)
+            if not isinstance(frame, Frame):
+                raise ConnectError(f"oversized {frame.type.name} frame during the handshake")
+            if frame.type is FrameType.DENIED:
+                _, _, text = unpack_stream_text(frame.payload)
+                raise AuthenticationError(f"the receiver refused authentication: {text}")
+            if frame.type is FrameType.CHALLENGE and secret is not None and not proved:
+                nonce_r, mac_r = unpack_challenge(frame.payload)
+                if not _auth.verify(_auth.receiver_mac(secret, nonce_s, nonce_r), mac_r):
+                    raise AuthenticationError("the receiver failed to prove the shared secret "
+                                              "(wrong secret, or not a Lynx receiver)")
+                proved = True
+                sock.sendall(encode_frame(FrameType.PROOF, _auth.sender_mac(secret, nonce_r, nonce_s)))
+                continue
+            if frame.type is not FrameType.WELCOME:
+                raise ConnectError(f"expected WELCOME from the receiver, got {frame.type.name}")
+            if secret is not None and not proved:
+                # never hand an unauthenticated worker address to UCX
+                raise AuthenticationError("the receiver did not authenticate (it has no shared "
+                                          "secret configured); refusing its worker address")
+            address, gbps, burst, wflags = unpack_welcome(frame.payload)
+            return address, (Rate(gbps, burst) if gbps > 0 else None), wflags
 
 
 def connect(address: tuple[str, int], *, timeout: float = 5.0,
@@ -437,7 +478,8 @@ def connect(address: tuple[str, int], *, timeout: float = 5.0,
     """Connect to a :class:`~lynx_transport.receiver.Receiver` at ``(host, port)``.
 
     Raises :class:`ConnectError` if nobody listens, the handshake fails, or it
-    does not finish within ``timeout`` seconds.
+    does not finish within ``timeout`` seconds; :class:`AuthenticationError`
+    (a ``ConnectError``) when ``config.secret`` and the receiver's disagree.
     """
     config = config if config is not None else TransportConfig()
     clock = clock if clock is not None else MonotonicClock()
@@ -447,8 +489,12 @@ def connect(address: tuple[str, int], *, timeout: float = 5.0,
     except OSError as exc:
         raise ConnectError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
     try:
-        ucx_address, peer_rate = _handshake(sock, deadline, clock)
-        return Connection(sock, ucx_address, peer_rate, config, clock)
+        ucx_address, peer_rate, wflags = _handshake(sock, deadline, clock, config.secret)
+        return Connection(sock, ucx_address, peer_rate, config, clock,
+                          chunk_sums=bool(wflags & WelcomeFlags.CHUNK_SUMS))
+    except AuthenticationError:
+        sock.close()
+        raise
     except (OSError, ProtocolError) as exc:
         sock.close()
         raise ConnectError(f"handshake with {address[0]}:{address[1]} failed: {exc}") from exc

@@ -34,6 +34,8 @@ __all__ = [
     "pack_u64", "unpack_u64", "pack_stream_lane", "unpack_stream_lane",
     "pack_stream_token", "unpack_stream_token", "pack_stream_text", "unpack_stream_text",
     "pack_rate", "unpack_rate", "pack_welcome", "unpack_welcome",
+    "NONCE_BYTES", "MAC_BYTES", "HelloFlags", "WelcomeFlags", "pack_hello", "unpack_hello",
+    "pack_challenge", "unpack_challenge", "unpack_proof", "pack_chunk_sum", "unpack_chunk_sum",
 ]
 
 WIRE_MAGIC = b"LYNX"
@@ -60,6 +62,24 @@ class FrameType(enum.IntEnum):
     HEARTBEAT = 10     # either  liveness when idle
     RATE = 11          # R->S  hold this connection to a rate (0 = no cap)
     GOODBYE = 12       # either  orderly close
+    CHALLENGE = 13     # R->S  receiver nonce + receiver's proof of the shared secret
+    PROOF = 14         # S->R  sender's proof of the shared secret
+    DENIED = 15        # R->S  authentication refused (text); the receiver then closes
+    CHUNK_SUM = 16     # S->R  stream id, chunk index, length, CRC32 of one chunk
+
+
+class HelloFlags(enum.IntFlag):
+    """Bits of HELLO's flags byte."""
+
+    NONE = 0
+    AUTH = 1  # the sender holds a shared secret and expects a CHALLENGE
+
+
+class WelcomeFlags(enum.IntFlag):
+    """Bits of WELCOME's flags byte."""
+
+    NONE = 0
+    CHUNK_SUMS = 1  # the receiver wants a CHUNK_SUM frame for every chunk
 
 
 class RejectReason(enum.IntEnum):
@@ -206,12 +226,63 @@ def unpack_rate(payload: bytes) -> tuple[float, int]:
     return gbps, burst
 
 
-def pack_welcome(address: bytes, gbps: float, burst_bytes: int) -> bytes:
-    return _RATE.pack(gbps, burst_bytes) + address
+def pack_welcome(address: bytes, gbps: float, burst_bytes: int,
+                 flags: WelcomeFlags = WelcomeFlags.NONE) -> bytes:
+    return bytes([int(flags)]) + _RATE.pack(gbps, burst_bytes) + address
 
 
-def unpack_welcome(payload: bytes) -> tuple[bytes, float, int]:
-    if len(payload) < _RATE.size + 1 or len(payload) > _RATE.size + MAX_ADDRESS:
+def unpack_welcome(payload: bytes) -> tuple[bytes, float, int, WelcomeFlags]:
+    head = 1 + _RATE.size
+    if len(payload) < head + 1 or len(payload) > head + MAX_ADDRESS:
         raise ProtocolError(f"WELCOME payload of {len(payload)} bytes is out of range")
-    gbps, burst = unpack_rate(payload[:_RATE.size])
-    return payload[_RATE.size:], gbps, burst
+    if payload[0] & ~int(WelcomeFlags.CHUNK_SUMS):
+        raise ProtocolError(f"unknown WELCOME flags {payload[0]:#x}")
+    gbps, burst = unpack_rate(payload[1:head])
+    return payload[head:], gbps, burst, WelcomeFlags(payload[0])
+
+
+# -- handshake (see lynx_transport._auth) -------------------------------------------
+NONCE_BYTES = 32
+MAC_BYTES = 32
+
+
+def pack_hello(flags: HelloFlags, nonce: bytes) -> bytes:
+    return bytes([int(flags)]) + nonce
+
+
+def unpack_hello(payload: bytes) -> tuple[HelloFlags, bytes]:
+    if len(payload) != 1 + NONCE_BYTES:
+        raise ProtocolError(f"HELLO payload must be {1 + NONCE_BYTES} bytes, got {len(payload)}")
+    if payload[0] & ~int(HelloFlags.AUTH):
+        raise ProtocolError(f"unknown HELLO flags {payload[0]:#x}")
+    return HelloFlags(payload[0]), payload[1:]
+
+
+def pack_challenge(nonce: bytes, mac: bytes) -> bytes:
+    return nonce + mac
+
+
+def unpack_challenge(payload: bytes) -> tuple[bytes, bytes]:
+    if len(payload) != NONCE_BYTES + MAC_BYTES:
+        raise ProtocolError(f"CHALLENGE payload must be {NONCE_BYTES + MAC_BYTES} bytes, "
+                            f"got {len(payload)}")
+    return payload[:NONCE_BYTES], payload[NONCE_BYTES:]
+
+
+def unpack_proof(payload: bytes) -> bytes:
+    if len(payload) != MAC_BYTES:
+        raise ProtocolError(f"PROOF payload must be {MAC_BYTES} bytes, got {len(payload)}")
+    return payload
+
+
+# -- chunk checksums ---------------------------------------------------------------
+_CHUNK_SUM = struct.Struct("!QIII")
+
+
+def pack_chunk_sum(stream_id: int, index: int, nbytes: int, crc: int) -> bytes:
+    return _CHUNK_SUM.pack(stream_id, index, nbytes, crc)
+
+
+def unpack_chunk_sum(payload: bytes) -> tuple[int, int, int, int]:
+    """``(stream_id, chunk index, nbytes, crc32)``; ranges are checked against the manifest."""
+    return _exact(_CHUNK_SUM, payload, "CHUNK_SUM")

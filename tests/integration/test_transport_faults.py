@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from lynx_transport import wire
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
 from lynx_transport.errors import (ClosedError, ConnectError, PeerDisconnectedError,
                                    StreamCancelledError)
@@ -204,7 +205,7 @@ def test_malformed_and_oversized_manifests_are_rejected_and_the_connection_stays
     rx = start_receiver(pool)
     try:
         raw = RawPeer(rx.address)
-        raw.send(FrameType.HELLO, b"")
+        raw.send(FrameType.HELLO, wire.pack_hello(wire.HelloFlags.NONE, bytes(32)))
         raw.expect(FrameType.WELCOME)
         # garbage manifest
         raw.send(FrameType.OPEN, struct.pack("!QIII", 7, 65536, 0xFFFF_FFFF, 0))

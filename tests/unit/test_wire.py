@@ -70,7 +70,7 @@ def test_small_payload_helpers_round_trip_and_reject_wrong_sizes() -> None:
     assert wire.unpack_stream_token(wire.pack_stream_token(5, 9)) == (5, 9)
     assert wire.unpack_stream_text(wire.pack_stream_text(5, 2, "no room")) == (5, 2, "no room")
     assert wire.unpack_rate(wire.pack_rate(1.5, 4096)) == (1.5, 4096)
-    assert wire.unpack_welcome(wire.pack_welcome(b"addr", 0.0, 0)) == (b"addr", 0.0, 0)
+    assert wire.unpack_welcome(wire.pack_welcome(b"addr", 0.0, 0)) == (b"addr", 0.0, 0, wire.WelcomeFlags.NONE)
     with pytest.raises(ProtocolError):
         wire.unpack_stream_lane(b"\x00" * 8)
     with pytest.raises(ProtocolError):
