@@ -186,6 +186,11 @@ class RxLoop(IoLoop):
     def drop_conn(self, conn: _Conn, exc: TransportError, quiet: bool = False) -> None:
         if conn.ctl.closed:
             return
+        if conn.challenge is not None and not quiet:
+            # challenged but never proved: a sender with another secret gives up here
+            log.warning("refused connection from %s: authentication failed (no proof: %s)",
+                        conn.ctl.peer, exc)
+            quiet = True
         if not quiet and not isinstance(exc, (PeerDisconnectedError, ClosedError)):
             log.warning("dropping control connection from %s: %s", conn.ctl.peer, exc)
         for rx in list(conn.streams.values()):

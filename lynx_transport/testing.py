@@ -18,7 +18,7 @@ import traceback
 from typing import Any
 
 __all__ = ["pattern", "PeerFailed", "PeerProcess", "sender_server", "receiver_server",
-           "prioritise_thread"]
+           "prioritise_thread", "RawPeer"]
 
 
 def prioritise_thread(nice: int = -10) -> int | None:
@@ -269,3 +269,76 @@ def receiver_server(pipe: multiprocessing.connection.Connection, pool_bytes: int
                 pipe.send(("ok", result))
             else:
                 raise ValueError(f"unknown request {request[0]!r}")
+
+
+class RawPeer:
+    """A hand-written control-channel client: what a hostile or buggy peer can send.
+
+    ``frames`` keeps every frame received and not yet taken by :meth:`expect`;
+    ``received`` is every byte that ever arrived (to check what was exposed).
+    """
+
+    def __init__(self, address: tuple[str, int], timeout: float = 5.0) -> None:
+        import socket  # noqa: PLC0415
+
+        from lynx_transport.wire import FrameDecoder  # noqa: PLC0415
+
+        self.sock = socket.create_connection(address, timeout=timeout)
+        self.decoder = FrameDecoder(1 << 20)
+        self.frames: list[Any] = []
+        self.received = bytearray()
+
+    def send(self, ftype: Any, payload: bytes = b"") -> None:
+        from lynx_transport.wire import encode_frame  # noqa: PLC0415
+
+        self.sock.sendall(encode_frame(ftype, payload))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _more(self) -> bool:
+        data = self.sock.recv(65536)
+        if not data:
+            return False
+        self.received += data
+        self.frames.extend(self.decoder.feed(data))
+        return True
+
+    def expect(self, ftype: Any) -> Any:
+        """The next frame of type ``ftype`` (others are kept); fails if the peer closes first."""
+        while True:
+            for i, f in enumerate(self.frames):
+                if f.type is ftype:
+                    return self.frames.pop(i)
+            assert self._more(), f"connection closed while waiting for {ftype.name}"
+
+    def drain_until_closed(self) -> list[Any]:
+        """Every frame until the peer closes the connection (socket timeout bounds the wait)."""
+        while self._more():
+            pass
+        out, self.frames = self.frames, []
+        return out
+
+    def handshake(self, secret: bytes | None = None) -> Any:
+        """HELLO (and PROOF when ``secret``) until WELCOME; returns the WELCOME frame."""
+        import secrets as _secrets  # noqa: PLC0415
+
+        from lynx_transport import _auth  # noqa: PLC0415
+        from lynx_transport.wire import (FrameType, HelloFlags, pack_hello,  # noqa: PLC0415
+                                         unpack_challenge)
+
+        nonce = _secrets.token_bytes(32)
+        self.send(FrameType.HELLO, pack_hello(HelloFlags.AUTH if secret else HelloFlags.NONE, nonce))
+        if secret is not None:
+            nonce_r, _ = unpack_challenge(self.expect(FrameType.CHALLENGE).payload)
+            self.send(FrameType.PROOF, _auth.sender_mac(secret, nonce_r, nonce))
+        return self.expect(FrameType.WELCOME)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
