@@ -9,7 +9,8 @@ import json
 import math
 from pathlib import Path
 
-from lynx_bench.node_args import add_model_arguments, host_port, load_model
+from lynx_bench.node_args import (add_model_arguments, add_secret_argument, host_port, load_model,
+                                  transport_config)
 from lynx_transport.errors import ConfigError, PromptError
 
 __all__ = ["add_arguments", "run"]
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen-host", default="127.0.0.1", metavar="HOST",
                         help="address the prefill node connects back to (default 127.0.0.1)")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S")
+    add_secret_argument(parser)
     add_model_arguments(parser)
 
 
@@ -61,6 +63,7 @@ def _validate(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     server = host_port(args.connect, flag="--connect")
     text = _validate(args)
+    config = transport_config(args)
     model = load_model(args)
     from lynx_decode.codec_config import Scheme  # noqa: PLC0415
     from lynx_decode.decode_node import DecodeNode  # noqa: PLC0415
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise PromptError(f"the prompt has {len(ids)} tokens; with {args.max_new_tokens} new tokens "
                           f"it exceeds the model's context window of {limit}")
     max_draft = DEFAULT_MAX_DRAFT if args.max_draft is None else args.max_draft
-    with DecodeNode(model, host=args.listen_host, timeout_s=args.timeout) as node:
+    with DecodeNode(model, host=args.listen_host, timeout_s=args.timeout,
+                    config=config) as node:
         result = node.run(server, ids, scheme=Scheme(args.scheme), anchor_bits=args.anchor_bits,
                           max_new_tokens=args.max_new_tokens, bandwidth_gbps=args.bandwidth,
                           max_draft=max_draft)

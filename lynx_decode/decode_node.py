@@ -62,6 +62,7 @@ class DecodeNode:
                  timeout_s: float = 120.0) -> None:
         self.model = model
         self.timeout_s = timeout_s
+        self._transport_config = config
         self._pending: dict[str, cf.Future[KVAssembler]] = {}
         self._assemblers: dict[int, KVAssembler] = {}
         self._lane_done: dict[int, dict[int, float]] = {}
@@ -159,7 +160,7 @@ class DecodeNode:
         with self._lock:
             self._pending[request_id] = future
         try:
-            with connect(server, timeout=10.0) as conn:
+            with connect(server, timeout=10.0, config=self._transport_config) as conn:
                 conn.send_stream([("prompt", np.frombuffer(payload, np.uint8), int(Lane.ANCHOR))],
                                  metadata=request.to_metadata()).wait(self.timeout_s)
             assembler = _result(future, self.timeout_s, "the KV stream did not open")
