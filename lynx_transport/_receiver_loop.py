@@ -52,6 +52,9 @@ MAX_UNCLAIMED = 1024
 #: Largest frame a peer may send before the handshake is done.
 HANDSHAKE_MAX_PAYLOAD = 256
 
+#: Completed stream ids remembered per connection (to recognise late duplicate confirmations).
+COMPLETED_MEMORY = 256
+
 #: Heartbeats and quarantine may run this late; keeps the loop polling, not sleeping.
 HOUSEKEEPING_SLACK_S = 0.01
 
@@ -129,6 +132,8 @@ class _Conn:
         self.hello = False          # True once WELCOME went out (authenticated if required)
         self.challenge: tuple[bytes, bytes] | None = None  # (nonce_s, nonce_r) awaiting PROOF
         self.streams: dict[int, _RxStream] = {}
+        # ids of recently completed streams: a CHUNK_SUM for one is a duplicate
+        self.completed_ids: collections.deque[int] = collections.deque(maxlen=COMPLETED_MEMORY)
 
 
 def _net_devices(host: str) -> str:
@@ -418,6 +423,7 @@ class RxLoop(IoLoop):
         if rx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
             self.completed += 1
             del rx.conn.streams[rx.handle.stream_id]
+            rx.conn.completed_ids.append(rx.handle.stream_id)
             self.tokens_in_use.discard(rx.token)
             self.send(rx.conn, FrameType.STREAM_DONE, pack_u64(rx.handle.stream_id))
             self.o._dispatch.post(self.o._cb["on_stream_complete"], rx.handle)
@@ -486,7 +492,10 @@ class RxLoop(IoLoop):
         sid, index, nbytes, crc = unpack_chunk_sum(payload)
         rx = conn.streams.get(sid)
         if rx is None:
-            return  # the stream already ended (failed or cancelled): a late sum is harmless
+            if sid in conn.completed_ids:
+                raise ProtocolError(f"duplicate CHUNK_SUM for chunk {index} of stream {sid}, "
+                                    "which already completed")
+            return  # the stream already failed or was cancelled: a late sum is harmless
         if index >= rx.chunk_total:
             self.fail(rx, ProtocolError(f"stream {sid}: CHUNK_SUM for chunk {index}, but the "
                                         f"manifest has {rx.chunk_total} chunks"),

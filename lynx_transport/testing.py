@@ -18,7 +18,7 @@ import traceback
 from typing import Any
 
 __all__ = ["pattern", "PeerFailed", "PeerProcess", "sender_server", "receiver_server",
-           "prioritise_thread", "RawPeer"]
+           "prioritise_thread", "RawPeer", "RawDataPath"]
 
 
 def prioritise_thread(nice: int = -10) -> int | None:
@@ -338,6 +338,48 @@ class RawPeer:
         self.sock.close()
 
     def __enter__(self) -> RawPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RawDataPath:
+    """A bare UCX worker that sends arbitrary tagged messages to a receiver's worker.
+
+    With :class:`RawPeer` it plays a hostile or buggy sender on the data path:
+    short, long, corrupted or misaddressed chunks. Owned by the calling thread.
+    """
+
+    def __init__(self, worker_address: bytes, tls: str = "^posix,sysv", net_devices: str = "lo") -> None:
+        from lynx_transport._ucx import UcxWorker  # noqa: PLC0415
+
+        self.worker = UcxWorker(tls, net_devices)
+        self.ep = self.worker.endpoint(worker_address)
+        self._keep: list[Any] = []
+
+    def send(self, tag: int, data: Any, timeout: float = 5.0) -> None:
+        """Send ``data`` with ``tag`` and progress until UCX has taken it (or ``timeout``)."""
+        from lynx_transport._ucx import as_bytes_view, check  # noqa: PLC0415
+
+        view = as_bytes_view(data)
+        req = self.worker.tag_send(self.ep, view, tag)
+        deadline = time.monotonic() + timeout
+        while not req.completed:
+            self.worker.progress()
+            if time.monotonic() > deadline:
+                self._keep.append((req, view))  # never drop a live request (cancels it)
+                raise TimeoutError(f"tagged send of {view.nbytes} bytes did not complete")
+        check(req, "raw send")
+
+    def close(self) -> None:
+        for _ in range(100):
+            self.worker.progress()
+        self._keep.clear()
+        self.ep = None
+        self.worker.close()
+
+    def __enter__(self) -> RawDataPath:
         return self
 
     def __exit__(self, *exc: object) -> None:
