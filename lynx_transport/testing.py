@@ -297,7 +297,10 @@ class RawPeer:
         self.sock.sendall(data)
 
     def _more(self) -> bool:
-        data = self.sock.recv(65536)
+        try:
+            data = self.sock.recv(65536)
+        except ConnectionResetError:
+            return False
         if not data:
             return False
         self.received += data
