@@ -2,7 +2,7 @@
 
 Run as a measurement (prints JSON; minutes on a 2-core CPU)::
 
-    .venv/bin/python -m tests.integration.test_speculative_acceptance [n_prompts]
+    .venv/bin/python -m tests.integration.test_speculative_acceptance [n_prompts [first]]
 
 For each prompt (pass-key and filler prose of ~2k tokens, seeds 301+, only ever
 used here), anchor width b in {2, 3, 4} and codec split (MSB/centre vs
@@ -103,11 +103,11 @@ def test_one_pass_verify_accepts_exactly_the_sequential_agreement() -> None:
         assert row["accepted"] == {k: min(k, row["lead"]) for k in KS}, row
 
 
-def main(n_prompts: int) -> None:
+def main(n_prompts: int, first: int = 0) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = load_model()
     rows = []
-    for case in PROMPTS[:n_prompts]:
+    for case in PROMPTS[first:first + n_prompts]:
         for row in measure_prompt(model, _prompt(model, *case)):
             rows.append({"prompt": f"{case[0]}-{case[2]}", **row})
             sys.stdout.write(json.dumps(rows[-1]) + "\n")
@@ -124,4 +124,4 @@ def main(n_prompts: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    main(*(int(a) for a in sys.argv[1:3])) if len(sys.argv) > 1 else main(3)
