@@ -1,4 +1,4 @@
-"""Numba intrinsics for non-temporal (streaming) stores.
+"""Numba intrinsics: non-temporal (streaming) stores and fp32 bit casts.
 
 Packing kernels write each output byte once and never read it back, so a store
 that bypasses the cache (x86 ``movnti``) saves the read-for-ownership of the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["stream_store", "store_fence"]
+__all__ = ["stream_store", "store_fence", "f32_bits", "f32_from_bits"]
 
 
 @intrinsic
@@ -39,5 +39,27 @@ def store_fence(typingctx):  # type: ignore[no-untyped-def]  # pragma: no cover 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         builder.fence("seq_cst")
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_bits(typingctx, x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The IEEE bit pattern (uint32) of a float32 value."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, u):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The float32 value of an IEEE bit pattern (uint32)."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
 
     return sig, codegen

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from lynx_decode import codec_quant as qt
-from lynx_decode.codec_backends import Ops, padded, select
+from lynx_decode.codec_backends import Ops, codes_of, select
 from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Stream
 from lynx_decode.codec_inputs import as_byte_buffer, as_f32, as_output, as_tensor
 from lynx_decode.codec_layout import DType, LayerLayout
@@ -85,10 +85,6 @@ def _view(buf: Any, layout: LayerLayout, name: str, xp: Any) -> Any:
     return raw.view(xp.uint16 if r.dtype is DType.BFLOAT16 else xp.float16).reshape(r.shape)
 
 
-def _levels(scheme: Scheme) -> int:
-    return 15 if scheme is Scheme.INT4 else 255
-
-
 def encode_layer(k: Any, v: Any, config: CodecConfig = CodecConfig(), *, backend: Backend = Backend.AUTO) -> EncodedLayer:
     """Encode one layer's K and V (``[kv_heads, tokens, head_dim]``, fp32/fp16/bf16,
     NumPy/CuPy arrays or torch tensors). Buffers are of the inputs' array module.
@@ -107,17 +103,29 @@ def encode_layer(k: Any, v: Any, config: CodecConfig = CodecConfig(), *, backend
     return _encode_with(select(backend, tk.xp), tk, tv, config)
 
 
+def _new_buffers(layout: LayerLayout, xp: Any) -> dict[Stream, Any]:
+    # every region is written in full by the encoder: zero only the alignment gaps
+    # (np.zeros would pay to clear, or to fault in, every page a second time)
+    buffers = {s: xp.empty(layout.stream_size(s), dtype=xp.uint8) for s in layout.streams}
+    end = {s: 0 for s in layout.streams}
+    for r in layout.regions:
+        if r.offset > end[r.stream]:
+            buffers[r.stream][end[r.stream] : r.offset] = 0
+        end[r.stream] = r.offset + r.size
+    return buffers
+
+
 def _encode_with(ops: Ops, tk: Any, tv: Any, config: CodecConfig) -> EncodedLayer:
     xp = ops.xp
     layout = LayerLayout.build(config, *tk.shape)
-    buffers = {s: xp.zeros(layout.stream_size(s), dtype=xp.uint8) for s in layout.streams}
+    buffers = _new_buffers(layout, xp)
     anchor = buffers[Stream.ANCHOR]
     for name, t in (("k", tk), ("v", tv)):
-        x = as_f32(t)
         if config.scheme is Scheme.BF16:
-            data = t.data if t.bf16 else qt.f32_to_bf16_bits(x, xp)
+            data = t.data if t.bf16 else qt.f32_to_bf16_bits(as_f32(t), xp)
             _view(anchor, layout, f"{name}_data", xp)[...] = data
             continue
+        x = as_f32(t)
         if config.scheme is Scheme.FP16:
             with np.errstate(over="ignore"):
                 half = x.astype(xp.float16)
@@ -125,31 +133,12 @@ def _encode_with(ops: Ops, tk: Any, tv: Any, config: CodecConfig) -> EncodedLaye
                 raise CodecError(f"{name.upper()} has values outside the fp16 range (|x| > 65504); use Scheme.BF16")
             _view(anchor, layout, f"{name}_data", xp)[...] = half
             continue
-        _encode_quantized(ops, x, name, config, layout, buffers)
+        residual = _view(buffers[Stream.RESIDUAL], layout, f"{name}_residual", xp) if config.scheme is Scheme.LYNX else None
+        ops.encode(
+            x, name, config, _view(anchor, layout, f"{name}_scale", xp), _view(anchor, layout, f"{name}_zero", xp),
+            _view(anchor, layout, f"{name}_data", xp), residual,
+        )  # fmt: skip
     return EncodedLayer(layout, types.MappingProxyType(buffers))
-
-
-def _encode_quantized(ops: Ops, x: Any, name: str, config: CodecConfig, layout: LayerLayout, buffers: dict[Stream, Any]) -> None:
-    xp = ops.xp
-    group = config.k_group if name == "k" else config.v_group
-    levels = _levels(config.scheme)
-    lo, hi = ops.minmax(x, group, name, name.upper())
-    scale, zero = qt.group_params(lo, hi, levels, config.split, config.bits, xp, name.upper())
-    anchor = buffers[Stream.ANCHOR]
-    _view(anchor, layout, f"{name}_scale", xp)[...] = scale
-    _view(anchor, layout, f"{name}_zero", xp)[...] = zero
-    n = x.size
-    if config.scheme is Scheme.INT8:
-        codes = _view(anchor, layout, f"{name}_data", xp).reshape(x.shape)
-        ops.quantize(x, qt.inverse(scale, xp), zero.astype(xp.float32), group, name, levels, codes)
-        return
-    codes = xp.zeros(padded(n), dtype=xp.uint8)
-    ops.quantize(x, qt.inverse(scale, xp), zero.astype(xp.float32), group, name, levels, codes[:n].reshape(x.shape))
-    if config.scheme is Scheme.INT4:
-        ops.pack(codes, 4, _view(anchor, layout, f"{name}_data", xp))
-    else:
-        residual = _view(buffers[Stream.RESIDUAL], layout, f"{name}_residual", xp)
-        ops.split(codes, config.bits, _view(anchor, layout, f"{name}_data", xp), residual)
 
 
 def _inputs(layout: Any, anchor: Any, residual: Any, backend: Backend) -> tuple[Ops, Any, Any]:
@@ -176,21 +165,8 @@ def _cupy_module() -> Any:
 def _codes(ops: Ops, layout: LayerLayout, a: Any, r: Any, name: str) -> tuple[Any, int, float]:
     """(values [H,T,D] uint8, shift, offset) such that code = values * 2**shift + offset."""
     xp = ops.xp
-    n = layout.kv_heads * layout.tokens * layout.head_dim
-    if layout.scheme is Scheme.INT8:
-        return _view(a, layout, f"{name}_data", xp).reshape(layout.shape), 0, 0.0
-    values = xp.empty(padded(n), dtype=xp.uint8)
-    data = _view(a, layout, f"{name}_data", xp)
-    if layout.scheme is Scheme.INT4:
-        ops.unpack(data, 4, values)
-        shift, offset = 0, 0.0
-    elif r is None:
-        ops.unpack(data, layout.bits, values)
-        shift, offset = 8 - layout.bits, qt.anchor_offset(layout.split, layout.bits)
-    else:
-        ops.merge(data, _view(r, layout, f"{name}_residual", xp), layout.bits, values)
-        shift, offset = 0, 0.0
-    return values[:n].reshape(layout.shape), shift, offset
+    residual = None if r is None else _view(r, layout, f"{name}_residual", xp)
+    return codes_of(ops, layout, _view(a, layout, f"{name}_data", xp), residual)
 
 
 def decode_layer(
@@ -245,11 +221,9 @@ def _decode_one(ops: Ops, layout: LayerLayout, a: Any, r: Any, name: str, out: A
     if layout.scheme is Scheme.FP16:
         out[...] = _view(a, layout, f"{name}_data", xp)
         return
-    values, shift, offset = _codes(ops, layout, a, r, name)
-    scale = _view(a, layout, f"{name}_scale", xp).astype(xp.float32)
-    zero = _view(a, layout, f"{name}_zero", xp).astype(xp.float32)
-    group = layout.k_group if name == "k" else layout.v_group
-    ops.dequant(values, shift, offset, scale, zero, group, name, out)
+    residual = None if r is None else _view(r, layout, f"{name}_residual", xp)
+    scale, zero = (_view(a, layout, f"{name}_{p}", xp) for p in ("scale", "zero"))
+    ops.decode(layout, name, _view(a, layout, f"{name}_data", xp), residual, scale, zero, out)
 
 
 def int8_codes(layout: LayerLayout, anchor: Any, residual: Any = None, *, backend: Backend = Backend.AUTO) -> tuple[Any, Any]:

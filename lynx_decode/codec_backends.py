@@ -21,10 +21,11 @@ import numpy as np
 
 from lynx_decode import codec_pack as pk
 from lynx_decode import codec_quant as qt
-from lynx_decode.codec_config import Backend
+from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Split
+from lynx_decode.codec_layout import LayerLayout
 from lynx_transport.errors import BackendError, CodecError
 
-__all__ = ["Ops", "ReferenceOps", "NumbaOps", "select", "padded"]
+__all__ = ["Ops", "ReferenceOps", "NumbaOps", "select", "padded", "levels_of", "codes_of"]
 
 
 def padded(n: int) -> int:
@@ -65,6 +66,68 @@ class Ops:
     def unpack(self, packed: Any, width: int, values: Any) -> None:
         """Packed region -> padded values."""
         raise NotImplementedError
+
+    def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, data: Any, residual: Any) -> None:
+        """Quantize fp32 ``x [H,T,D]`` into its wire regions: fp16 ``scale``/``zero``
+        (group-shaped), ``data`` (INT8 codes, packed INT4 codes, or the packed LYNX
+        anchors) and ``residual`` (LYNX; None otherwise). Raises :class:`CodecError`
+        for non-finite values. This default composes the per-stage kernels."""
+        xp = self.xp
+        group = config.k_group if kind == "k" else config.v_group
+        levels = levels_of(config.scheme)
+        lo, hi = self.minmax(x, group, kind, kind.upper())
+        s, z = qt.group_params(lo, hi, levels, config.split, config.bits, xp, kind.upper())
+        scale[...] = s
+        zero[...] = z
+        inv, z32 = qt.inverse(s, xp), z.astype(xp.float32)
+        if config.scheme is Scheme.INT8:
+            self.quantize(x, inv, z32, group, kind, levels, data.reshape(x.shape))
+            return
+        n = x.size
+        codes = xp.zeros(padded(n), dtype=xp.uint8)
+        self.quantize(x, inv, z32, group, kind, levels, codes[:n].reshape(x.shape))
+        if config.scheme is Scheme.INT4:
+            self.pack(codes, 4, data)
+        else:
+            self.split(codes, config.bits, data, residual)
+
+    def decode(self, layout: LayerLayout, kind: str, data: Any, residual: Any, scale: Any, zero: Any, out: Any) -> None:
+        """Dequantize one tensor from its regions (``residual`` None: a LYNX layer
+        from its anchors alone) into fp32 ``out [H,T,D]``, which may be strided
+        between heads (each head's ``[T,D]`` block contiguous). This default
+        composes the per-stage kernels."""
+        xp = self.xp
+        values, shift, offset = codes_of(self, layout, data, residual)
+        group = layout.k_group if kind == "k" else layout.v_group
+        target = out if out.flags.c_contiguous else xp.empty(layout.shape, dtype=xp.float32)
+        self.dequant(values, shift, offset, scale.astype(xp.float32), zero.astype(xp.float32), group, kind, target)
+        if target is not out:
+            out[...] = target
+
+
+def levels_of(scheme: Scheme) -> int:
+    """Quantization levels of a quantized scheme (15 for INT4, else 255)."""
+    return 15 if scheme is Scheme.INT4 else 255
+
+
+def codes_of(ops: Ops, layout: LayerLayout, data: Any, residual: Any) -> tuple[Any, int, float]:
+    """(values [H,T,D] uint8, shift, offset) with code = values * 2**shift + offset,
+    from a tensor's data region (and residual region, for an exact LYNX layer)."""
+    xp = ops.xp
+    n = layout.kv_heads * layout.tokens * layout.head_dim
+    if layout.scheme is Scheme.INT8:
+        return data.reshape(layout.shape), 0, 0.0
+    values = xp.empty(padded(n), dtype=xp.uint8)
+    if layout.scheme is Scheme.INT4:
+        ops.unpack(data, 4, values)
+        shift, offset = 0, 0.0
+    elif residual is None:
+        ops.unpack(data, layout.bits, values)
+        shift, offset = 8 - layout.bits, qt.anchor_offset(layout.split, layout.bits)
+    else:
+        ops.merge(data, residual, layout.bits, values)
+        shift, offset = 0, 0.0
+    return values[:n].reshape(layout.shape), shift, offset
 
 
 class ReferenceOps(Ops):
@@ -107,6 +170,20 @@ class ReferenceOps(Ops):
         values[...] = pk.unpack(packed, values.size, width, self.xp)
 
 
+_NO_BYTES = np.zeros(0, np.uint8)
+
+
+def head_strided(out: Any) -> tuple[Any, int]:
+    """A flat 1-D view of ``out [H,T,D]`` (each head's ``[T,D]`` block C-contiguous,
+    heads any whole number of elements apart) and the head stride in elements:
+    element ``(h, t, d)`` is ``flat[h * stride + t * D + d]``."""
+    heads, tokens, dim = out.shape
+    item = out.itemsize
+    stride = out.strides[0] // item if heads > 1 else tokens * dim
+    span = (heads - 1) * stride + tokens * dim
+    return np.lib.stride_tricks.as_strided(out, shape=(span,), strides=(item,)), stride
+
+
 def _words(a: Any) -> Any:
     return a.view(np.uint64)
 
@@ -133,9 +210,10 @@ class NumbaOps(Ops):
 
     def __init__(self) -> None:
         try:
-            from lynx_kernels import cpu_pack, cpu_quant  # noqa: PLC0415 - numba is imported on first use
+            from lynx_kernels import cpu_codec, cpu_pack, cpu_quant  # noqa: PLC0415 - numba is imported on first use
         except ImportError as exc:
             raise BackendError(f"the numba backend is unavailable: {exc} (pip install numba)") from exc
+        self._codec = cpu_codec
         self._pack = cpu_pack
         self._quant = cpu_quant
 
@@ -159,6 +237,45 @@ class NumbaOps(Ops):
     def dequant(self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any) -> None:
         fn = self._quant.dequant_k if kind == "k" else self._quant.dequant_v
         fn(values, np.float32(1 << shift), np.float32(offset), scale, zero, group, out)
+
+    def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, data: Any, residual: Any) -> None:
+        # one fused pass on the calling thread (lynx_kernels.cpu_codec): no launch lock needed
+        c = self._codec
+        heads, tokens, dim = x.shape
+        mode = {Scheme.INT8: c.ENC_INT8, Scheme.INT4: c.ENC_INT4}.get(config.scheme, c.ENC_LYNX)
+        fn, group = (c.encode_k, config.k_group) if kind == "k" else (c.encode_v, config.v_group)
+        res = _NO_BYTES if residual is None else residual
+        levels = levels_of(config.scheme)
+        rounded = levels == 255 and config.split is Split.ROUNDED
+        bad_x, bad_p = fn(
+            x.reshape(-1), tokens, dim, group, levels, rounded, config.bits, mode,
+            scale.reshape(-1).view(np.uint16), zero.reshape(-1).view(np.uint16), data.reshape(-1), res,
+        )  # fmt: skip
+        what = kind.upper()
+        if bad_x:
+            raise CodecError(f"{what} contains non-finite values (NaN or inf) in {bad_x} quantization group(s)")
+        if bad_p:
+            raise CodecError(
+                f"{what} contains non-finite values or values outside the fp16 range (|x| > 65504) in {bad_p} quantization group(s)"
+            )
+
+    def decode(self, layout: LayerLayout, kind: str, data: Any, residual: Any, scale: Any, zero: Any, out: Any) -> None:
+        c = self._codec
+        if layout.scheme is Scheme.INT8:
+            mode, shift, offset = c.DEC_INT8, 0, 0.0
+        elif layout.scheme is Scheme.INT4:
+            mode, shift, offset = c.DEC_INT4, 0, 0.0
+        elif residual is None:
+            mode, shift, offset = c.DEC_ANCHOR, 8 - layout.bits, qt.anchor_offset(layout.split, layout.bits)
+        else:
+            mode, shift, offset = c.DEC_FULL, 0, 0.0
+        fn, group = (c.decode_k, layout.k_group) if kind == "k" else (c.decode_v, layout.v_group)
+        flat, head_stride = head_strided(out)
+        fn(
+            data.reshape(-1), _NO_BYTES if residual is None else residual, layout.tokens, layout.head_dim, group, mode,
+            layout.bits, np.float32(1 << shift), np.float32(offset), scale.reshape(-1).view(np.uint16),
+            zero.reshape(-1).view(np.uint16), flat, head_stride,
+        )  # fmt: skip
 
     @_locked
     def split(self, codes: Any, bits: int, anchor: Any, residual: Any) -> None:

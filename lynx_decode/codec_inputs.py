@@ -129,8 +129,6 @@ def as_byte_buffer(buf: Any, name: str, need: int, xp: Any) -> Any:
 def as_output(out: Any, name: str, shape: tuple[int, ...], xp: Any) -> Any:
     """Validate a caller-provided output (NumPy/CuPy array or torch tensor, fp32 or fp16)."""
     if _is_torch(out):
-        if not out.is_contiguous():
-            raise CodecError(f"{name} is not contiguous")
         if out.requires_grad:
             raise CodecError(f"{name} requires grad; pass a tensor outside autograd")
         out = _cupy().from_dlpack(out) if out.device.type == "cuda" else np.from_dlpack(out)
@@ -140,6 +138,23 @@ def as_output(out: Any, name: str, shape: tuple[int, ...], xp: Any) -> Any:
         raise CodecError(f"{name} has dtype {out.dtype}; decoded output must be float32 or float16")
     if tuple(out.shape) != shape:
         raise CodecError(f"{name} has shape {tuple(out.shape)}, expected {shape}")
-    if not out.flags.c_contiguous or not getattr(out.flags, "writeable", True):  # CuPy has no writeable flag
-        raise CodecError(f"{name} must be a writable C-contiguous array")
+    if not getattr(out.flags, "writeable", True):  # CuPy has no writeable flag
+        raise CodecError(f"{name} must be a writable array")
+    if not out.flags.c_contiguous and not _heads_contiguous(out):
+        raise CodecError(
+            f"{name} must be a writable array whose heads are each C-contiguous [tokens, head_dim] blocks "
+            f"that do not overlap (strides {tuple(out.strides)})"
+        )
     return out
+
+
+def _heads_contiguous(out: Any) -> bool:
+    """True when each ``out[h]`` is a C-contiguous ``[tokens, head_dim]`` block and the
+    heads sit a non-negative, non-overlapping whole number of elements apart (a
+    per-layer view of a cache with headroom)."""
+    heads, tokens, dim = out.shape
+    item = out.itemsize
+    s0, s1, s2 = out.strides
+    if (dim > 1 and s2 != item) or (tokens > 1 and s1 != dim * item):
+        return False
+    return heads == 1 or (s0 % item == 0 and s0 >= tokens * dim * item)

@@ -1,0 +1,435 @@
+"""Fused per-layer Numba kernels: one pass from fp32 K or V to the layer's wire
+regions (encode), and one pass from the regions to fp32 (decode). Same format,
+bit for bit, as the NumPy reference (``lynx_decode.codec_quant`` /
+``codec_pack``); fp32 arithmetic one IEEE operation at a time, no FMA.
+
+Why fused and serial. A layer is ~6 MB per tensor; the unfused path ran six
+``parallel=True`` kernels per tensor (min/max, quantize, split, ...), each
+re-reading the tensor, plus NumPy temporaries for the fp16 parameters. Each
+parallel launch waits at a barrier for a worker thread, which on a 2-core box
+shared with the other node (and the transport) costs a scheduler slice, ~8 ms,
+per launch. These kernels instead walk the tensor once, in *units* that stay in
+L1/L2 (one K group of ``k_group`` tokens, or a run of V rows, of one head):
+
+- encode: group extremes -> fp16 scale/zero (rounded down/up exactly like the
+  reference) -> codes into a small window -> every whole 64-value block of the
+  window is packed (INT4), split (LYNX) or, for INT8, the codes go straight to
+  the wire region;
+- decode: the unit's blocks are unpacked (or merged with the residual) into the
+  window, then dequantized straight into the output, whose heads may sit
+  ``head_stride`` values apart (a model cache with headroom).
+
+Kernels run on the calling thread (``nogil``: no lock, no thread pool, safe to
+call from several threads at once). ``mode`` selects the scheme; the packing
+width is a literal in each branch, so shifts and masks fold to immediates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from lynx_kernels._nt import f32_bits, f32_from_bits
+from lynx_kernels.cpu_pack import _pack_word, _unpack_word
+
+__all__ = [
+    "ENC_INT8", "ENC_INT4", "ENC_LYNX", "DEC_INT8", "DEC_INT4", "DEC_ANCHOR", "DEC_FULL",
+    "encode_k", "encode_v", "decode_k", "decode_v", "f16_bits", "f16_value",
+]  # fmt: skip
+
+ENC_INT8, ENC_INT4, ENC_LYNX = 0, 1, 2
+DEC_INT8, DEC_INT4, DEC_ANCHOR, DEC_FULL = 0, 1, 2, 3
+
+_REP = 0x0101010101010101
+_UNIT = 4096  # values per V unit (whole rows); a K unit is one token group
+
+
+@njit(inline="always", cache=True)
+def _window(values):  # pragma: no cover - compiled
+    # bytes of a unit's window: a partial block either side, whole uint64 words
+    return (values + 128 + 63) // 64 * 64
+
+
+# ---- fp16 <-> fp32 (NumPy's astype semantics) --------------------------------------------
+
+
+@njit(inline="always", cache=True)
+def _to_f16(f):  # pragma: no cover - compiled
+    # fp16 bits (int64) of float32 f, round to nearest even; overflow -> inf
+    u = np.int64(f32_bits(f))
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    if a > 0x7F800000:
+        return sign | 0x7E00 | ((a >> 13) & 0x3FF)
+    if a >= 0x477FF000:
+        return sign | 0x7C00
+    if a >= 0x38800000:
+        h = (a >> 13) - 0x1C000
+        rem = a & 0x1FFF
+        if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
+            h += 1
+        return sign | h
+    shift = 126 - (a >> 23)
+    if shift > 24:
+        return sign
+    m = (a & 0x7FFFFF) | 0x800000
+    q = m >> shift
+    rem = m & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    if rem > half or (rem == half and (q & 1) == 1):
+        q += 1
+    return sign | q
+
+
+@njit(inline="always", cache=True)
+def _from_f16(h):  # pragma: no cover - compiled
+    # float32 value of fp16 bits h (exact)
+    h = np.int64(h)
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 0:
+        v = np.float32(m) * np.float32(5.9604644775390625e-08)  # m * 2**-24, exact
+        return -v if h & 0x8000 else v
+    bits = ((h & 0x8000) << 16) | (m << 13)
+    bits |= 0x7F800000 if e == 31 else (e + 112) << 23
+    return f32_from_bits(np.uint32(bits))
+
+
+@njit(inline="always", cache=True)
+def _f16_down(z):  # pragma: no cover - compiled
+    h = _to_f16(z)
+    if _from_f16(h) > z:
+        h = 0x8001 if h == 0 else (h + 1 if h >= 0x8000 else h - 1)
+    return h
+
+
+@njit(inline="always", cache=True)
+def _f16_up(z):  # pragma: no cover - compiled
+    h = _to_f16(z)
+    if _from_f16(h) < z:
+        h = 1 if (h == 0 or h == 0x8000) else (h - 1 if h > 0x8000 else h + 1)
+    return h
+
+
+@njit(cache=True)
+def f16_bits(x, out):  # pragma: no cover - compiled
+    """``out[i]`` = fp16 bits of float32 ``x[i]`` (for the tests)."""
+    for i in range(x.size):
+        out[i] = _to_f16(x[i])
+
+
+@njit(cache=True)
+def f16_value(h, out):  # pragma: no cover - compiled
+    """``out[i]`` = float32 value of fp16 bits ``h[i]`` (for the tests)."""
+    for i in range(h.size):
+        out[i] = _from_f16(h[i])
+
+
+@njit(inline="always", cache=True)
+def _params(lo, hi, levels, rounded, bits):  # pragma: no cover - compiled
+    # (scale bits, zero bits, inv, zero, finite) of one group: codec_quant.group_params
+    f32 = np.float32
+    lo = f32(lo + f32(0))
+    hi = f32(hi + f32(0))
+    s_r = f32(0)
+    z = lo
+    if rounded:
+        rb = 8 - bits
+        s_r = f32((hi - lo) / f32(((1 << bits) - 1) << rb))
+        z = f32(lo - f32(f32(1 << (rb - 1)) * s_r))
+    zb = _f16_down(z)
+    zf = _from_f16(zb)
+    s_need = f32(f32(hi - zf) / levels)
+    sb = _f16_up(s_need if s_need > s_r else s_r)
+    s = _from_f16(sb)
+    inv = f32(f32(1) / s) if s > f32(0) else f32(0)
+    finite = (sb & 0x7C00) != 0x7C00 and (zb & 0x7C00) != 0x7C00
+    return sb, zb, inv, zf, finite
+
+
+@njit(inline="always", cache=True)
+def _code(x, z, inv, levels):  # pragma: no cover - compiled
+    y = np.rint(np.float32(np.float32(x - z) * inv))
+    return np.uint8(min(max(y, np.float32(0)), levels))
+
+
+# ---- packing a window of whole blocks -----------------------------------------------------
+
+
+@njit(inline="always", cache=True)
+def _pack_blocks(win, nb, dst, b0, w):  # pragma: no cover - compiled
+    mask = np.uint64((1 << w) - 1) * np.uint64(_REP)
+    for j in range(nb):
+        for m in range(w):
+            dst[(b0 + j) * w + m] = _pack_word(win, j * 8, 0, mask, w, m)
+
+
+@njit(inline="always", cache=True)
+def _split_blocks(win, nb, anchor, residual, b0, wa, wr):  # pragma: no cover - compiled
+    amask = np.uint64((1 << wa) - 1) * np.uint64(_REP)
+    rmask = np.uint64((1 << wr) - 1) * np.uint64(_REP)
+    for j in range(nb):
+        for m in range(wa):
+            anchor[(b0 + j) * wa + m] = _pack_word(win, j * 8, wr, amask, wa, m)
+        for m in range(wr):
+            residual[(b0 + j) * wr + m] = _pack_word(win, j * 8, 0, rmask, wr, m)
+
+
+@njit(inline="always", cache=True)
+def _emit(win, nb, mode, bits, anchor, residual, b0):  # pragma: no cover - compiled
+    # pack nb whole blocks of the window as blocks b0.. of the wire regions
+    if mode == ENC_INT4:
+        _pack_blocks(win, nb, anchor, b0, 4)
+    elif bits == 4:
+        _split_blocks(win, nb, anchor, residual, b0, 4, 4)
+    elif bits == 2:
+        _split_blocks(win, nb, anchor, residual, b0, 2, 6)
+    elif bits == 3:
+        _split_blocks(win, nb, anchor, residual, b0, 3, 5)
+    elif bits == 5:
+        _split_blocks(win, nb, anchor, residual, b0, 5, 3)
+    else:
+        _split_blocks(win, nb, anchor, residual, b0, 6, 2)
+
+
+@njit(inline="always", cache=True)
+def _flush(win, fill, mode, bits, anchor, residual, b0, last):  # pragma: no cover - compiled
+    # pack the window's whole blocks (all of it, zero-padded, when last); keep the rest
+    if last and fill % 64:
+        win[fill : fill + 64 - fill % 64] = 0
+        fill += 64 - fill % 64
+    nb = fill // 64
+    if nb:
+        _emit(win.view(np.uint64), nb, mode, bits, anchor, residual, b0)
+        keep = fill - nb * 64
+        win[:keep] = win[nb * 64 : fill]
+        fill = keep
+    return fill, b0 + nb
+
+
+# ---- encode -------------------------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True)
+def encode_k(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, data, residual):  # pragma: no cover - compiled
+    """K (per channel over ``group`` tokens) of flat fp32 ``x`` [H*T*D] -> fp16 bits
+    ``scale``/``zero`` [H*G*D] and ``data`` (INT8 codes, or packed words of the INT4
+    / anchor region) and ``residual`` (LYNX). Returns (non-finite groups of x,
+    non-finite parameters)."""
+    heads = x.size // (tokens * dim)
+    groups = -(-tokens // group)
+    lv = np.float32(levels)
+    lo = np.empty(dim, np.float32)
+    hi = np.empty(dim, np.float32)
+    chk = np.empty(dim, np.float32)
+    inv = np.empty(dim, np.float32)
+    zf = np.empty(dim, np.float32)
+    win = np.empty(_window(min(group, tokens) * dim), np.uint8)
+    a64 = data.view(np.uint64) if mode != ENC_INT8 else data[:0].view(np.uint64)
+    r64 = residual.view(np.uint64)
+    fill = 0
+    b0 = 0
+    bad_x = 0
+    bad_p = 0
+    for h in range(heads):
+        for g in range(groups):
+            t0 = g * group
+            rows = min(tokens, t0 + group) - t0
+            base = (h * tokens + t0) * dim
+            for d in range(dim):
+                lo[d] = x[base + d]
+                hi[d] = x[base + d]
+                chk[d] = np.float32(0)
+            for t in range(rows):
+                row = base + t * dim
+                for d in range(dim):
+                    v = x[row + d]
+                    lo[d] = min(lo[d], v)
+                    hi[d] = max(hi[d], v)
+                    chk[d] += v - v
+            flag = False
+            p = (h * groups + g) * dim
+            for d in range(dim):
+                flag |= chk[d] != np.float32(0)
+                sb, zb, iv, z, ok = _params(lo[d], hi[d], lv, rounded, bits)
+                scale[p + d] = sb
+                zero[p + d] = zb
+                inv[d] = iv
+                zf[d] = z
+                bad_p += not ok
+            bad_x += flag
+            if mode == ENC_INT8:
+                for t in range(rows):
+                    row = base + t * dim
+                    for d in range(dim):
+                        data[row + d] = _code(x[row + d], zf[d], inv[d], lv)
+                continue
+            for t in range(rows):
+                row = base + t * dim
+                at = fill + t * dim
+                for d in range(dim):
+                    win[at + d] = _code(x[row + d], zf[d], inv[d], lv)
+            fill, b0 = _flush(win, fill + rows * dim, mode, bits, a64, r64, b0, False)
+    if mode != ENC_INT8:
+        _flush(win, fill, mode, bits, a64, r64, b0, True)
+    return bad_x, bad_p
+
+
+@njit(nogil=True, cache=True)
+def encode_v(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, data, residual):  # pragma: no cover - compiled
+    """As :func:`encode_k` for V (per token over ``group`` channels; params
+    [H*T*Gv]). Counts non-finite rows of x."""
+    heads = x.size // (tokens * dim)
+    groups = -(-dim // group)
+    lv = np.float32(levels)
+    unit = max(1, _UNIT // dim)
+    win = np.empty(_window(min(unit, tokens) * dim), np.uint8)
+    a64 = data.view(np.uint64) if mode != ENC_INT8 else data[:0].view(np.uint64)
+    r64 = residual.view(np.uint64)
+    fill = 0
+    b0 = 0
+    bad_x = 0
+    bad_p = 0
+    for h in range(heads):
+        for t0 in range(0, tokens, unit):
+            rows = min(tokens, t0 + unit) - t0
+            for t in range(rows):
+                row = (h * tokens + t0 + t) * dim
+                p = (h * tokens + t0 + t) * groups
+                dst = data if mode == ENC_INT8 else win
+                at = row if mode == ENC_INT8 else fill + t * dim
+                chk = np.float32(0)
+                for g in range(groups):
+                    d0 = g * group
+                    d1 = min(dim, d0 + group)
+                    a = x[row + d0]
+                    b = x[row + d0]
+                    for d in range(d0, d1):
+                        v = x[row + d]
+                        a = min(a, v)
+                        b = max(b, v)
+                        chk += v - v
+                    sb, zb, iv, z, ok = _params(a, b, lv, rounded, bits)
+                    scale[p + g] = sb
+                    zero[p + g] = zb
+                    bad_p += not ok
+                    for d in range(d0, d1):
+                        dst[at + d] = _code(x[row + d], z, iv, lv)
+                bad_x += chk != np.float32(0)
+            if mode != ENC_INT8:
+                fill, b0 = _flush(win, fill + rows * dim, mode, bits, a64, r64, b0, False)
+    if mode != ENC_INT8:
+        _flush(win, fill, mode, bits, a64, r64, b0, True)
+    return bad_x, bad_p
+
+
+# ---- decode -------------------------------------------------------------------------------
+
+
+@njit(inline="always", cache=True)
+def _unpack_blocks(src, b0, nb, win, w):  # pragma: no cover - compiled
+    for j in range(nb):
+        for i in range(8):
+            win[j * 8 + i] = _unpack_word(src, (b0 + j) * w, w, i)
+
+
+@njit(inline="always", cache=True)
+def _merge_blocks(anchor, residual, b0, nb, win, wa, wr):  # pragma: no cover - compiled
+    for j in range(nb):
+        for i in range(8):
+            high = _unpack_word(anchor, (b0 + j) * wa, wa, i) << np.uint64(wr)
+            win[j * 8 + i] = high | _unpack_word(residual, (b0 + j) * wr, wr, i)
+
+
+@njit(inline="always", cache=True)
+def _values(mode, bits, a64, r64, b0, nb, win):  # pragma: no cover - compiled
+    # blocks b0 .. b0+nb-1 of the unit's 8-bit values (or anchors) into the window
+    if mode == DEC_INT4:
+        _unpack_blocks(a64, b0, nb, win, 4)
+    elif mode == DEC_ANCHOR:
+        if bits == 4:
+            _unpack_blocks(a64, b0, nb, win, 4)
+        elif bits == 2:
+            _unpack_blocks(a64, b0, nb, win, 2)
+        elif bits == 3:
+            _unpack_blocks(a64, b0, nb, win, 3)
+        elif bits == 5:
+            _unpack_blocks(a64, b0, nb, win, 5)
+        else:
+            _unpack_blocks(a64, b0, nb, win, 6)
+    elif bits == 4:
+        _merge_blocks(a64, r64, b0, nb, win, 4, 4)
+    elif bits == 2:
+        _merge_blocks(a64, r64, b0, nb, win, 2, 6)
+    elif bits == 3:
+        _merge_blocks(a64, r64, b0, nb, win, 3, 5)
+    elif bits == 5:
+        _merge_blocks(a64, r64, b0, nb, win, 5, 3)
+    else:
+        _merge_blocks(a64, r64, b0, nb, win, 6, 2)
+
+
+@njit(inline="always", cache=True)
+def _source(mode, bits, data, a64, r64, win, base, count):  # pragma: no cover - compiled
+    # (array, offset) holding the unit's values at [offset, offset + count)
+    if mode == DEC_INT8:
+        return data, base
+    b0 = base // 64
+    nb = (base + count + 63) // 64 - b0
+    _values(mode, bits, a64, r64, b0, nb, win.view(np.uint64))
+    return win, base - b0 * 64
+
+
+@njit(nogil=True, cache=True)
+def decode_k(data, residual, tokens, dim, group, mode, bits, mult, offset, scale, zero, out, head_stride):  # pragma: no cover - compiled
+    """``out[h*head_stride + t*D + d]`` = ``(value*mult + offset) * scale + zero`` of K
+    (params [H*G*D] fp16 bits). ``data`` is the INT8 codes or the packed INT4 /
+    anchor region, ``residual`` the packed residual (``DEC_FULL``)."""
+    groups = -(-tokens // group)
+    heads = scale.size // (groups * dim)
+    s = np.empty(dim, np.float32)
+    z = np.empty(dim, np.float32)
+    win = np.empty(_window(min(group, tokens) * dim), np.uint8)
+    a64 = data.view(np.uint64) if mode != DEC_INT8 else data[:0].view(np.uint64)
+    r64 = residual.view(np.uint64)
+    for h in range(heads):
+        for g in range(groups):
+            t0 = g * group
+            rows = min(tokens, t0 + group) - t0
+            base = (h * tokens + t0) * dim
+            p = (h * groups + g) * dim
+            for d in range(dim):
+                s[d] = _from_f16(scale[p + d])
+                z[d] = _from_f16(zero[p + d])
+            src, off = _source(mode, bits, data, a64, r64, win, base, rows * dim)
+            o = h * head_stride + t0 * dim
+            for t in range(rows):
+                for d in range(dim):
+                    code = np.float32(np.float32(src[off + t * dim + d]) * mult) + offset
+                    out[o + t * dim + d] = np.float32(code * s[d]) + z[d]
+
+
+@njit(nogil=True, cache=True)
+def decode_v(data, residual, tokens, dim, group, mode, bits, mult, offset, scale, zero, out, head_stride):  # pragma: no cover - compiled
+    """As :func:`decode_k` for V (params [H*T*Gv] fp16 bits)."""
+    groups = -(-dim // group)
+    heads = scale.size // (groups * tokens)
+    unit = max(1, _UNIT // dim)
+    win = np.empty(_window(min(unit, tokens) * dim), np.uint8)
+    a64 = data.view(np.uint64) if mode != DEC_INT8 else data[:0].view(np.uint64)
+    r64 = residual.view(np.uint64)
+    for h in range(heads):
+        for t0 in range(0, tokens, unit):
+            rows = min(tokens, t0 + unit) - t0
+            base = (h * tokens + t0) * dim
+            src, off = _source(mode, bits, data, a64, r64, win, base, rows * dim)
+            for t in range(rows):
+                p = (h * tokens + t0 + t) * groups
+                o = h * head_stride + (t0 + t) * dim
+                at = off + t * dim
+                for g in range(groups):
+                    sg = _from_f16(scale[p + g])
+                    zg = _from_f16(zero[p + g])
+                    for d in range(g * group, min(dim, (g + 1) * group)):
+                        code = np.float32(np.float32(src[at + d]) * mult) + offset
+                        out[o + d] = np.float32(code * sg) + zg
