@@ -291,8 +291,9 @@ class KVAssembler:
         anchor = self.stream.view(region_name(layer, Stream.ANCHOR))
         res = self.stream.view(region_name(layer, Stream.RESIDUAL)) if residual else None
         start = time.perf_counter()
-        k, v = decode_layer(layout, anchor, res)
-        kv.write_layer(layer, k, v)
+        k, v = kv.layer(layer)  # decode straight into the model cache: no temporary, no copy
+        decode_layer(layout, anchor, res, out_k=k, out_v=v)
+        kv.mark_written(layer)
         self.dequant_s += time.perf_counter() - start
 
     def _maybe_resolve(self, kv: KVBuffers, future: cf.Future[KVBuffers] | None, name: str) -> None:

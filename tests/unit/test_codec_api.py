@@ -74,6 +74,43 @@ def test_decode_into_out_arrays_and_torch_tensors(kv, backend: Backend) -> None:
     np.testing.assert_array_equal(half_k, want_k.astype(np.float16))
 
 
+@pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.NUMBA])
+@pytest.mark.parametrize("scheme", list(Scheme))
+def test_decode_into_a_cache_with_headroom(kv, backend: Backend, scheme: Scheme) -> None:
+    from lynx_decode.model.buffers import KVBuffers, KVShape
+
+    enc = encode_layer(*kv, CodecConfig(scheme), backend=backend)
+    a, r = enc.buffers[Stream.ANCHOR], enc.buffers.get(Stream.RESIDUAL)
+    want = decode_layer(enc.layout, a, r, backend=Backend.NUMPY)
+    cache = KVBuffers(KVShape(2, H, T, D), headroom=5)
+    k, v = cache.layer(1)
+    assert not k.flags.c_contiguous
+    got = decode_layer(enc.layout, a, r, out_k=k, out_v=v, backend=backend)
+    assert got[0] is k and got[1] is v
+    cache.mark_written(1)
+    np.testing.assert_array_equal(cache.keys[1], want[0])
+    np.testing.assert_array_equal(cache.values[1], want[1])
+    assert not cache.storage_keys[:, :, T:].any() and not cache.storage_keys[0].any()
+    torch_k = torch.zeros((H, T + 2, D))[:, :T]  # a torch view with headroom
+    decode_layer(enc.layout, a, r, out_k=torch_k, out_v=torch.zeros(H, T, D, dtype=torch.float16)[:, :, :], backend=backend)
+    np.testing.assert_array_equal(torch_k.numpy(), want[0])
+
+
+def test_strided_outputs_that_are_not_per_head_blocks_are_refused(kv) -> None:
+    enc = encode_layer(*kv)
+    a = enc.buffers[Stream.ANCHOR]
+    bad = {
+        "overlapping heads": np.lib.stride_tricks.as_strided(np.empty(H * T * D, np.float32), (H, T, D), (4 * D, 4 * D, 4)),
+        "strided tokens": np.empty((H, 2 * T, D), np.float32)[:, ::2],
+        "strided channels": np.empty((H, T, 2 * D), np.float32)[:, :, ::2],
+        "reversed heads": np.empty((H, T, D), np.float32)[::-1],
+    }
+    for what, out in bad.items():
+        with pytest.raises(CodecError, match="heads are each C-contiguous"):
+            decode_layer(enc.layout, a, out_k=out)
+        assert what
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_torch_inputs_match_numpy(kv, dtype) -> None:
     k, v = (torch.from_numpy(x).to(dtype) for x in kv)

@@ -34,6 +34,15 @@ def test_numba_matches_reference_byte_for_byte(case) -> None:
             got = decode_layer(ref.layout, anchor, res, dtype=dtype, backend=Backend.NUMBA)
             for g, w in zip(got, want):
                 _same_bits(g, w)
+        # straight into a cache with headroom: heads apart, each head's [T, D] block contiguous
+        heads, tokens, dim = ref.layout.shape
+        for backend in (Backend.NUMPY, Backend.NUMBA):
+            store = np.full((2, heads, tokens + 3, dim), np.float32(7.0))
+            got = decode_layer(ref.layout, anchor, res, out_k=store[0, :, :tokens], out_v=store[1, :, :tokens], backend=backend)
+            want = decode_layer(ref.layout, anchor, res, backend=Backend.NUMPY)
+            for g, w in zip(got, want):
+                _same_bits(np.ascontiguousarray(g), w)
+            assert (store[:, :, tokens:] == np.float32(7.0)).all(), "headroom was written"
     if case.config.scheme in (Scheme.INT8, Scheme.LYNX):
         for g, w in zip(int8_codes(ref.layout, anchor, residual, backend=Backend.NUMBA), int8_codes(ref.layout, anchor, residual, backend=Backend.NUMPY)):
             _same_bits(g, w)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lynx_decode import codec_pack as pk
-from lynx_kernels import cpu_pack
+from lynx_kernels import cpu_codec, cpu_pack
 
 
 @pytest.mark.parametrize("bits", cpu_pack.WIDTHS)
@@ -43,3 +43,24 @@ def test_split_handles_extreme_codes() -> None:
             ra, rr = pk.split(codes, bits, np)
             np.testing.assert_array_equal(a, ra)
             np.testing.assert_array_equal(r, rr)
+
+
+def test_fp16_conversions_match_numpy() -> None:
+    # every fp16 bit pattern to fp32, and fp32 to fp16 (round to nearest even) on every
+    # 97th fp32 bit pattern plus the rounding boundaries around each fp16 value
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = np.empty(h.size, np.float32)
+    cpu_codec.f16_value(h, got)
+    want = h.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    centres = want[~nan].view(np.uint32).astype(np.int64)
+    near = (centres[:, None] + np.arange(-4, 5)[None, :] * (1 << 12)).ravel()  # ties and neighbours (normal range)
+    bits = np.concatenate([np.arange(0, 1 << 32, 97, dtype=np.int64), near[(near >= 0) & (near < 1 << 32)]]).astype(np.uint32)
+    x = bits.view(np.float32)
+    x = x[~np.isnan(x)]
+    out = np.empty(x.size, np.uint16)
+    cpu_codec.f16_bits(x, out)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(out, x.astype(np.float16).view(np.uint16))
