@@ -34,7 +34,7 @@ from lynx_kernels.cpu_pack import _pack_word, _unpack_word
 
 __all__ = [
     "ENC_INT8", "ENC_INT4", "ENC_LYNX", "DEC_INT8", "DEC_INT4", "DEC_ANCHOR", "DEC_FULL",
-    "encode_k", "encode_v", "decode_k", "decode_v", "f16_bits", "f16_value",
+    "encode_k", "encode_v", "decode_k", "decode_v", "to_bf16", "from_bf16", "f16_bits", "f16_value",
 ]  # fmt: skip
 
 ENC_INT8, ENC_INT4, ENC_LYNX = 0, 1, 2
@@ -433,3 +433,28 @@ def decode_v(data, residual, tokens, dim, group, mode, bits, mult, offset, scale
                     for d in range(g * group, min(dim, (g + 1) * group)):
                         code = np.float32(np.float32(src[at + d]) * mult) + offset
                         out[o + d] = np.float32(code * sg) + zg
+
+
+# ---- bfloat16 passthrough ------------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True)
+def to_bf16(x, out):  # pragma: no cover - compiled
+    """bfloat16 bits of fp32 bit patterns ``x`` (uint32, flat): round to nearest even,
+    NaN stays (quiet) NaN; codec_quant.f32_to_bf16_bits."""
+    for i in range(x.size):
+        u = x[i]
+        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            out[i] = (u >> np.uint32(16)) | np.uint32(0x0040)
+        else:
+            out[i] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@njit(nogil=True, cache=True)
+def from_bf16(bits, tokens, dim, out, head_stride):  # pragma: no cover - compiled
+    """fp32 bit patterns of bfloat16 ``bits`` [H*T*D] into ``out`` (uint32 view, heads
+    ``head_stride`` apart), exactly."""
+    per_head = tokens * dim
+    for h in range(bits.size // per_head):
+        for i in range(per_head):
+            out[h * head_stride + i] = np.uint32(bits[h * per_head + i]) << np.uint32(16)

@@ -53,7 +53,6 @@ from typing import Any
 
 import numpy as np
 
-from lynx_decode import codec_quant as qt
 from lynx_decode.codec_backends import Ops, codes_of, select
 from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Stream
 from lynx_decode.codec_inputs import as_byte_buffer, as_f32, as_output, as_tensor
@@ -122,8 +121,10 @@ def _encode_with(ops: Ops, tk: Any, tv: Any, config: CodecConfig) -> EncodedLaye
     anchor = buffers[Stream.ANCHOR]
     for name, t in (("k", tk), ("v", tv)):
         if config.scheme is Scheme.BF16:
-            data = t.data if t.bf16 else qt.f32_to_bf16_bits(as_f32(t), xp)
-            _view(anchor, layout, f"{name}_data", xp)[...] = data
+            if t.bf16:
+                _view(anchor, layout, f"{name}_data", xp)[...] = t.data
+            else:
+                ops.to_bf16(as_f32(t), _view(anchor, layout, f"{name}_data", xp))
             continue
         x = as_f32(t)
         if config.scheme is Scheme.FP16:
@@ -216,7 +217,7 @@ def _decode_with(ops: Ops, layout: LayerLayout, a: Any, r: Any, out_k: Any, out_
 def _decode_one(ops: Ops, layout: LayerLayout, a: Any, r: Any, name: str, out: Any) -> None:
     xp = ops.xp
     if layout.scheme is Scheme.BF16:
-        out[...] = qt.bf16_bits_to_f32(_view(a, layout, f"{name}_data", xp), xp)
+        ops.from_bf16(_view(a, layout, f"{name}_data", xp), out)
         return
     if layout.scheme is Scheme.FP16:
         out[...] = _view(a, layout, f"{name}_data", xp)

@@ -67,6 +67,14 @@ class Ops:
         """Packed region -> padded values."""
         raise NotImplementedError
 
+    def to_bf16(self, x: Any, out: Any) -> None:
+        """bfloat16 bit patterns (round to nearest even) of fp32 ``x`` into uint16 ``out``."""
+        out[...] = qt.f32_to_bf16_bits(x, self.xp).reshape(out.shape)
+
+    def from_bf16(self, bits: Any, out: Any) -> None:
+        """fp32 ``out [H,T,D]`` (heads may be strided) from bfloat16 bit patterns."""
+        out[...] = qt.bf16_bits_to_f32(bits, self.xp).reshape(out.shape)
+
     def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, data: Any, residual: Any) -> None:
         """Quantize fp32 ``x [H,T,D]`` into its wire regions: fp16 ``scale``/``zero``
         (group-shaped), ``data`` (INT8 codes, packed INT4 codes, or the packed LYNX
@@ -237,6 +245,13 @@ class NumbaOps(Ops):
     def dequant(self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any) -> None:
         fn = self._quant.dequant_k if kind == "k" else self._quant.dequant_v
         fn(values, np.float32(1 << shift), np.float32(offset), scale, zero, group, out)
+
+    def to_bf16(self, x: Any, out: Any) -> None:
+        self._codec.to_bf16(x.reshape(-1).view(np.uint32), out.reshape(-1))
+
+    def from_bf16(self, bits: Any, out: Any) -> None:
+        flat, head_stride = head_strided(out)
+        self._codec.from_bf16(bits.reshape(-1), out.shape[1], out.shape[2], flat.view(np.uint32), head_stride)
 
     def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, data: Any, residual: Any) -> None:
         # one fused pass on the calling thread (lynx_kernels.cpu_codec): no launch lock needed

@@ -4,6 +4,11 @@ Split and merge throughput on a 256 MiB uint8 code tensor for the Numba kernels
 and the NumPy reference, each next to ``np.copyto`` of the same bytes measured in
 the same run. Target: Numba split and merge >= 0.7x memcpy bandwidth.
 
+Per-layer encode/decode of every scheme at the real shape (SmolLM2, 4096-token
+prompt: K and V [3, 4095, 64] fp32), next to ``np.copyto`` of the same fp32 bytes
+in the same run. Targets on a quiet 2-core box: encode <= 5 ms, decode <= 4 ms;
+a tiny layer well under 1 ms per call.
+
 ``test_split_choice_on_real_kv`` (also ``model``) measures the anchor-only error of
 both splits on real SmolLM2 KV; its table is quoted in ``lynx_decode/codec.py``.
 Run with ``-s`` to see the numbers.
@@ -22,7 +27,7 @@ import pytest
 from lynx_decode import codec_pack as pk
 from lynx_decode import codec_quant as qt
 from lynx_decode.codec import decode_layer, encode_layer, int8_codes
-from lynx_decode.codec_config import Backend, CodecConfig, Split, Stream
+from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Split, Stream
 from lynx_kernels import cpu_pack
 
 pytestmark = pytest.mark.bench
@@ -127,6 +132,79 @@ def test_numpy_merge(benchmark: Any, codes: np.ndarray, buffers: dict[str, np.nd
     args = (buffers["anchor"], buffers["residual"], SIZE, BITS, np)
     benchmark.pedantic(pk.merge, args=args, rounds=2)
     _report(benchmark, "numpy merge", *_versus_memcpy(lambda: pk.merge(*args), _copy(codes, buffers), 2))
+
+
+# ---- per-layer encode / decode at the real shape ------------------------------------
+
+LAYER = (3, 4095, 64)  # SmolLM2-135M, one layer of a 4096-token prompt: K and V each
+ENCODE_MS = 5.0
+DECODE_MS = 4.0
+_SCHEMES = [Scheme.LYNX, Scheme.INT8, Scheme.INT4, Scheme.BF16]
+
+
+def _times(fn: Callable[[], Any], rounds: int) -> list[float]:
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def layer() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    k = (rng.standard_normal(LAYER) * rng.choice([0.1, 1.0, 20.0], size=(1, 1, LAYER[2]))).astype(np.float32)
+    return k, rng.standard_normal(LAYER).astype(np.float32)
+
+
+@pytest.mark.parametrize("scheme", _SCHEMES, ids=lambda s: s.value)
+def test_layer_encode_decode(benchmark: Any, layer: tuple[np.ndarray, np.ndarray], scheme: Scheme) -> None:
+    """Encode one layer, decode it (anchor only, and anchor + residual for LYNX) into
+    preallocated fp32 outputs, next to ``np.copyto`` of the layer's fp32 K and V
+    measured in the same run. Medians reported; the targets are checked on the best
+    round (the box is shared)."""
+    k, v = layer
+    config = CodecConfig(scheme=scheme)
+    enc = encode_layer(k, v, config)  # compile / load the kernels outside the timing
+    a, r = enc.buffers[Stream.ANCHOR], enc.buffers.get(Stream.RESIDUAL)
+    out_k, out_v = np.zeros_like(k), np.zeros_like(v)
+    dst_k, dst_v = np.zeros_like(k), np.zeros_like(v)
+    runs = {
+        "memcpy": lambda: (np.copyto(dst_k, k), np.copyto(dst_v, v)),
+        "encode": lambda: encode_layer(k, v, config),
+        "decode": lambda: decode_layer(enc.layout, a, out_k=out_k, out_v=out_v),
+    }
+    if r is not None:
+        runs["decode_full"] = lambda: decode_layer(enc.layout, a, r, out_k=out_k, out_v=out_v)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(15):  # interleaved so that every run sees the same load
+        for name, fn in runs.items():
+            times[name] += _times(fn, 1)
+    benchmark.pedantic(runs["encode"], rounds=5, warmup_rounds=1)
+    med = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+    best = {name: min(t) * 1e3 for name, t in times.items()}
+    benchmark.extra_info.update({f"{name}_median_ms": ms for name, ms in med.items()})
+    benchmark.extra_info.update({f"{name}_best_ms": ms for name, ms in best.items()})
+    print(f"\n{scheme.value} {LAYER} K+V: " + ", ".join(f"{n} {med[n]:.2f} ms (best {best[n]:.2f})" for n in runs))
+    assert best["encode"] <= ENCODE_MS, f"{scheme.value} encode takes {best['encode']:.2f} ms, target {ENCODE_MS} ms"
+    for name in ("decode", "decode_full"):
+        if name in best:
+            assert best[name] <= DECODE_MS, f"{scheme.value} {name} takes {best[name]:.2f} ms, target {DECODE_MS} ms"
+
+
+def test_tiny_layer_call_overhead(layer: tuple[np.ndarray, np.ndarray]) -> None:
+    """A tiny layer costs well under a millisecond per call in every scheme (no
+    parallel launches, no per-call set-up that scales with the machine)."""
+    k = np.random.default_rng(2).standard_normal((1, 70, 16), dtype=np.float32)
+    for scheme in _SCHEMES:
+        enc = encode_layer(k, k, CodecConfig(scheme=scheme))
+        a = enc.buffers[Stream.ANCHOR]
+        out = np.empty_like(k), np.empty_like(k)
+        e = float(np.median(_times(lambda: encode_layer(k, k, CodecConfig(scheme=scheme)), 51))) * 1e3
+        d = float(np.median(_times(lambda: decode_layer(enc.layout, a, out_k=out[0], out_v=out[1]), 51))) * 1e3
+        print(f"\ntiny {scheme.value}: encode {e:.3f} ms, decode {d:.3f} ms")
+        assert e < 0.5 and d < 0.5, (scheme, e, d)
 
 
 # ---- the split choice on real KV -------------------------------------------------
