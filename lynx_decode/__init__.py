@@ -1,10 +1,19 @@
 """lynx_decode: KV semantics. The hierarchical anchor/residual codec, KV streams
-over lynx_transport, and speculative decoding on a real model."""
+over lynx_transport, and speculative decoding on a real model.
+
+Importing it does not import torch, transformers or ucxx (they load on first use).
+"""
 
 from lynx_decode.codec import decode_layer, encode_layer
 from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Split, Stream
 from lynx_decode.codec_layout import CacheLayout, LayerLayout
+from lynx_decode.decode_node import DecodeNode, RunResult
 from lynx_decode.errors import CodecError, DecodeError
+from lynx_decode.events import Committed, Done, Rollback, Tentative
+from lynx_decode.model import CausalLM, HFCausalLM, KVBuffers
+from lynx_decode.prefill_cache import PrefillCache
+from lynx_decode.prefill_node import PrefillNode
+from lynx_decode.speculative import DecodeConfig, decode_events, generate
 
 __all__ = [
     "CodecError",
@@ -18,4 +27,18 @@ __all__ = [
     "decode_layer",
     "LayerLayout",
     "CacheLayout",
+    "CausalLM",
+    "HFCausalLM",
+    "KVBuffers",
+    "PrefillCache",
+    "DecodeConfig",
+    "generate",
+    "decode_events",
+    "Tentative",
+    "Committed",
+    "Rollback",
+    "Done",
+    "PrefillNode",
+    "DecodeNode",
+    "RunResult",
 ]
