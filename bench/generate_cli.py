@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from lynx_bench.node_args import (add_model_arguments, add_secret_argument, host_port, load_model,
@@ -40,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen-host", default="127.0.0.1", metavar="HOST",
                         help="address the prefill node connects back to (default 127.0.0.1)")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S")
+    parser.add_argument("--on-missing-residual", choices=["fail", "unverified"], default="fail",
+                        help="when the residual never arrives (prefill node lost, or "
+                             "--residual-timeout passed): fail (default), or finish on the "
+                             "anchors with every token marked unverified")
+    parser.add_argument("--residual-timeout", type=float, default=None, metavar="S",
+                        help="once drafting started, wait at most S seconds for the residual "
+                             "(default: --timeout)")
     add_secret_argument(parser)
     add_model_arguments(parser)
 
@@ -67,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args)
     from lynx_decode.codec_config import Scheme  # noqa: PLC0415
     from lynx_decode.decode_node import DecodeNode  # noqa: PLC0415
-    from lynx_decode.speculative import DEFAULT_MAX_DRAFT  # noqa: PLC0415
+    from lynx_decode.speculative import DEFAULT_MAX_DRAFT, MissingFull  # noqa: PLC0415
 
     ids = model.chat_prompt(text) if args.chat else model.tokenize(text)
     limit = model.info.max_positions
@@ -79,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
                     config=config) as node:
         result = node.run(server, ids, scheme=Scheme(args.scheme), anchor_bits=args.anchor_bits,
                           max_new_tokens=args.max_new_tokens, bandwidth_gbps=args.bandwidth,
-                          max_draft=max_draft)
+                          max_draft=max_draft,
+                          on_missing_residual=MissingFull(args.on_missing_residual),
+                          residual_timeout_s=args.residual_timeout)
         out = dict(result.metrics)
         out.update(text=result.text, tokens=list(result.tokens))
         if args.check:
@@ -87,7 +97,12 @@ def run(args: argparse.Namespace) -> int:
             out["equal_to_int8"] = list(ref.tokens) == list(result.tokens)
             out["int8_tokens"] = list(ref.tokens)
     args.json.write_text(json.dumps(out, indent=2) + "\n")
-    summary = (f"{args.scheme}: ttft_s={out['ttft_s']:.3f} ttfct_s={out['ttfct_s']:.3f} "
+    if not out["verified"]:
+        print(f"lynx: warning: the residual never arrived ({out['unverified_reason']}); these "
+              f"{len(result.tokens)} tokens were decoded on the anchors only and are UNVERIFIED",
+              file=sys.stderr)
+    ttfct = "-" if out["ttfct_s"] is None else f"{out['ttfct_s']:.3f}"
+    summary = (f"{args.scheme}: ttft_s={out['ttft_s']:.3f} ttfct_s={ttfct} "
                f"e2e_s={out['e2e_s']:.3f} tokens={len(result.tokens)}")
     if args.check:
         summary += f" equal_to_int8={out['equal_to_int8']}"

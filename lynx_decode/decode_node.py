@@ -27,7 +27,7 @@ from lynx_decode.events import Event, Tentative
 from lynx_decode.kvstream import KVAssembler, warm_up_codec
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import KVRequest, PromptKind, parse_error_reply
-from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, generate
+from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull, generate
 from lynx_transport import (Lane, ReceivedRegion, ReceivePool, Receiver, ReceiveStream,
                             TransportConfig, connect)
 from lynx_transport.errors import (DecodeError, LynxError, PromptError, StreamFailedError,
@@ -66,7 +66,7 @@ class DecodeNode:
         self._pending: dict[str, cf.Future[KVAssembler]] = {}
         self._assemblers: dict[int, KVAssembler] = {}
         self._lane_done: dict[int, dict[int, float]] = {}
-        self._error_streams: set[int] = set()
+        self._release_on_complete: set[int] = set()
         self._lock = threading.Lock()
         warm_up_codec()
         self._receiver = Receiver(
@@ -84,7 +84,7 @@ class DecodeNode:
         error = parse_error_reply(stream.metadata)
         if error is not None:
             request_id, message = error
-            self._error_streams.add(stream.stream_id)
+            self._release_on_complete.add(stream.stream_id)
             with self._lock:
                 future = self._pending.pop(request_id, None)
             if future is not None and not future.done():
@@ -112,8 +112,8 @@ class DecodeNode:
         future.set_result(assembler)
 
     def _on_complete(self, stream: ReceiveStream) -> None:
-        if stream.stream_id in self._error_streams:
-            self._error_streams.discard(stream.stream_id)
+        if stream.stream_id in self._release_on_complete:
+            self._release_on_complete.discard(stream.stream_id)
             stream.release()
 
     def _on_region(self, stream: ReceiveStream, region: ReceivedRegion) -> None:
@@ -137,12 +137,20 @@ class DecodeNode:
     def run(self, server: tuple[str, int], prompt: str | list[int], *, scheme: Scheme,
             max_new_tokens: int = 32, anchor_bits: int = 4, kind: PromptKind = "text",
             bandwidth_gbps: float | None = None, max_draft: int = DEFAULT_MAX_DRAFT,
+            on_missing_residual: MissingFull = MissingFull.FAIL,
+            residual_timeout_s: float | None = None,
             on_event: Callable[[Event], None] | None = None) -> RunResult:
         """Request ``prompt``'s cache from ``server`` and decode ``max_new_tokens`` tokens.
 
         Raises :class:`DecodeError` (the prefill node refused, the stream does not
         fit the model, a timeout) or a :class:`TransportError` (connection lost);
         tokens reported as tentative before a failure are never committed.
+
+        A residual that never arrives (the stream failed after its anchors — a dead
+        or silent prefill node is detected within the transport's peer timeout — or
+        ``residual_timeout_s`` passed once drafting started): ``MissingFull.FAIL``
+        raises; ``MissingFull.UNVERIFIED`` finishes on the anchors and returns the
+        tokens with ``metrics["verified"] = False`` (events: ``Unverified``).
         """
         request_id = uuid.uuid4().hex
         if isinstance(prompt, str):
@@ -180,15 +188,28 @@ class DecodeNode:
             ids = assembler.prompt_ids(self.timeout_s)
             config = DecodeConfig(max_new_tokens=max_new_tokens,
                                   max_draft=max_draft if assembler.speculative else 0,
-                                  wait_timeout_s=self.timeout_s)
+                                  wait_timeout_s=self.timeout_s,
+                                  full_timeout_s=residual_timeout_s,
+                                  on_missing_full=on_missing_residual)
             gen = generate(self.model, ids, full=assembler.full, draft=assembler.draft,
                            config=config, t0=assembler.header.t0_unix, clock=time.time,
                            on_event=events)
-            stream.wait(self.timeout_s)
+            if gen.metrics.verified:
+                stream.wait(self.timeout_s)
         except StreamFailedError as exc:
             raise DecodeError(f"the KV stream failed: {exc}") from exc
         finally:
-            stream.release()
+            if stream.state.terminal:
+                stream.release()  # failed/cancelled streams are released by the transport
+            else:
+                # Still receiving (a stalled residual): the pool regions stay with the
+                # stream until it ends (released here on completion, by the transport
+                # on failure).
+                log.warning("KV stream %d still %s after the run; its pool memory is held "
+                            "until it ends", stream.stream_id, stream.state.value)
+                self._release_on_complete.add(stream.stream_id)
+                if stream.state.terminal:  # it ended in between
+                    self._on_complete(stream)
             with self._lock:
                 self._assemblers.pop(stream.stream_id, None)
                 lane_done = self._lane_done.pop(stream.stream_id, {})
@@ -232,10 +253,12 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
         "ttft_s": m.ttft_s, "ttfct_s": m.ttfct_s, "e2e_s": m.e2e_s,
         "acceptance_rate": m.acceptance_rate, "drafted": m.drafted, "accepted": m.accepted,
         "new_tokens": m.new_tokens, "stopped_at_eos": m.stopped_at_eos,
+        "verified": m.verified, "unverified_reason": m.unverified_reason,
         "dequant_s": assembler.dequant_s,
         "draft_ready_s": (assembler.timings["draft_ready"] - t0
                           if "draft_ready" in assembler.timings else None),
-        "full_ready_s": assembler.timings.get("full_ready", t0) - t0,
+        "full_ready_s": (assembler.timings["full_ready"] - t0
+                         if "full_ready" in assembler.timings else None),
         "first_tentative_s": first_token[0] - t0 if first_token else None,
     }
     for lane, name in lanes.items():

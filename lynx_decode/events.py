@@ -10,7 +10,12 @@ Positions count generated tokens from 0 (the first token after the prompt).
 - :class:`Committed`: verified tokens at positions ``position ..``. Committed
   tokens are final: they are never rolled back, and the concatenation of every
   ``Committed.tokens`` is the output.
-- :class:`Done`: the last event, with the run's :class:`DecodeMetrics`.
+- :class:`Unverified`: only with ``MissingFull.UNVERIFIED`` when the exact cache
+  never arrived: tokens at positions ``position ..`` decoded on the anchor-only
+  cache. They are the output of that run, explicitly NOT verified against the
+  8-bit cache; the first one re-issues every tentative token shown so far.
+- :class:`Done`: the last event, with the run's :class:`DecodeMetrics`
+  (``metrics.verified`` is False after :class:`Unverified` tokens).
 
 A failure mid-generation raises :class:`~lynx_transport.errors.DecodeError`
 instead of yielding further events; tentative tokens seen before it are void.
@@ -21,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-__all__ = ["Tentative", "Committed", "Rollback", "Done", "DecodeMetrics", "Event"]
+__all__ = ["Tentative", "Committed", "Rollback", "Unverified", "Done", "DecodeMetrics", "Event"]
 
 
 @dataclass(frozen=True)
@@ -43,13 +48,22 @@ class Rollback:
 
 
 @dataclass(frozen=True)
+class Unverified:
+    tokens: tuple[int, ...]
+    position: int
+
+
+@dataclass(frozen=True)
 class DecodeMetrics:
     """Per-run metrics, named as in DESIGN.md. Times are seconds from the
     caller's ``t0`` on the caller's clock. ``acceptance_rate`` is None when
-    nothing was drafted (non-speculative schemes, or the full cache won the race)."""
+    nothing was drafted (non-speculative schemes, or the full cache won the race).
+    ``verified`` is False when the run finished on the anchor-only cache
+    (``MissingFull.UNVERIFIED``); then ``ttfct_s`` and ``full_ready_s`` are None
+    (nothing was committed) and ``unverified_reason`` says why."""
 
     ttft_s: float
-    ttfct_s: float
+    ttfct_s: float | None
     e2e_s: float
     acceptance_rate: float | None
     drafted: int
@@ -57,9 +71,11 @@ class DecodeMetrics:
     new_tokens: int
     speculative: bool
     draft_start_s: float | None
-    full_ready_s: float
+    full_ready_s: float | None
     verify_s: float | None
     stopped_at_eos: bool
+    verified: bool = True
+    unverified_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,4 +84,4 @@ class Done:
     tokens: tuple[int, ...]
 
 
-Event = Union[Tentative, Committed, Rollback, Done]
+Event = Union[Tentative, Committed, Rollback, Unverified, Done]

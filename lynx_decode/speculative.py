@@ -21,6 +21,12 @@ Algorithm (prompt ``ids``; both caches cover ``ids[:-1]``, see
    rejected) then :class:`Committed`.
 4. Continue greedily on the full cache until ``max_new_tokens`` or EOS.
 
+A residual that never arrives (the full future fails, or does not resolve within
+``full_timeout_s`` once drafting started): with ``MissingFull.FAIL`` (default)
+the run raises :class:`DecodeError`; with ``MissingFull.UNVERIFIED`` it finishes
+on the anchor-only cache and reports every token as :class:`Unverified`
+(``metrics.verified`` False) — never as committed.
+
 Committed tokens equal plain greedy decoding on the full cache by construction
 (up to fp32 rounding between a batched and a one-token pass; DESIGN.md: exact in
 all measured runs in fp32, not in bf16). With no draft future, or when the full
@@ -30,32 +36,46 @@ cache is ready before the first draft step, this is plain greedy decoding.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import enum
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from lynx_decode.events import Committed, DecodeMetrics, Done, Event, Rollback, Tentative
+from lynx_decode.events import (Committed, DecodeMetrics, Done, Event, Rollback, Tentative,
+                                Unverified)
 from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.protocol import CausalLM, LMCache
 from lynx_transport.errors import DecodeError, LynxError, PromptError
 
-__all__ = ["DecodeConfig", "Generation", "DEFAULT_MAX_DRAFT", "decode_events", "generate",
-           "ready"]
+__all__ = ["DecodeConfig", "Generation", "MissingFull", "DEFAULT_MAX_DRAFT", "decode_events",
+           "generate", "ready"]
 
 DEFAULT_MAX_DRAFT = 8
+
+
+class MissingFull(enum.Enum):
+    """What to do when the exact (full) cache never arrives after drafting started."""
+
+    FAIL = "fail"
+    UNVERIFIED = "unverified"
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """``max_draft`` bounds the tokens drafted before verification (0 disables
-    drafting). ``wait_timeout_s`` bounds each wait for a cache future."""
+    drafting). ``wait_timeout_s`` bounds each wait for a cache future;
+    ``full_timeout_s`` (None: ``wait_timeout_s``) bounds the wait for the full
+    cache once the draft cache is in use, and ``on_missing_full`` says what
+    happens when it is exceeded or the full cache fails."""
 
     max_new_tokens: int = 32
     max_draft: int = DEFAULT_MAX_DRAFT
     stop_at_eos: bool = True
     wait_timeout_s: float = 600.0
+    full_timeout_s: float | None = None
+    on_missing_full: MissingFull = MissingFull.FAIL
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -64,6 +84,8 @@ class DecodeConfig:
             raise DecodeError(f"max_draft must be >= 0, got {self.max_draft}")
         if not self.wait_timeout_s > 0:
             raise DecodeError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        if self.full_timeout_s is not None and not self.full_timeout_s > 0:
+            raise DecodeError(f"full_timeout_s must be > 0, got {self.full_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -123,6 +145,7 @@ def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
     drafts: list[int] = []
     ttft: float | None = None
     draft_start: float | None = None
+    dcache: LMCache | None = None
     if first is draft and draft is not None and config.max_draft > 0:
         draft_start = since()
         dcache = _cache(model, _result(draft, "draft", 0.0), cached)
@@ -135,9 +158,20 @@ def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
             yield Tentative(x, len(drafts) - 1)
             if x in eos:
                 break
-        del dcache
 
-    fcache = _cache(model, _result(full, "full", config.wait_timeout_s), cached)
+    timeout = config.wait_timeout_s
+    if dcache is not None and config.full_timeout_s is not None:
+        timeout = config.full_timeout_s
+    try:
+        fkv = _result(full, "full", timeout)
+    except DecodeError as exc:
+        if dcache is None or config.on_missing_full is MissingFull.FAIL:
+            raise
+        yield from _finish_unverified(model, dcache, ids, drafts, eos, n_max, str(exc),
+                                      since, ttft, draft_start)
+        return
+    del dcache
+    fcache = _cache(model, fkv, cached)
     full_ready = since()
     verify_s: float | None = None
     accepted = 0
@@ -168,6 +202,28 @@ def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
         drafted=len(drafts), accepted=accepted, new_tokens=len(out),
         speculative=bool(drafts), draft_start_s=draft_start, full_ready_s=full_ready,
         verify_s=verify_s, stopped_at_eos=out[-1] in eos), tuple(out))
+
+
+def _finish_unverified(model: CausalLM, dcache: LMCache, ids: list[int], drafts: list[int],
+                       eos: frozenset[int], n_max: int, reason: str,
+                       since: Callable[[], float], ttft: float | None,
+                       draft_start: float | None) -> Iterator[Event]:
+    """Decode the rest on the anchor-only cache; every token is :class:`Unverified`."""
+    out = list(drafts)
+    if not out:
+        out.append(int(np.argmax(_forward(model, dcache, [ids[-1]])[-1])))
+        ttft = since()
+    yield Unverified(tuple(out), 0)
+    while len(out) < n_max and out[-1] not in eos:
+        token = int(np.argmax(_forward(model, dcache, [out[-1]])[-1]))
+        out.append(token)
+        yield Unverified((token,), len(out) - 1)
+    assert ttft is not None
+    yield Done(DecodeMetrics(
+        ttft_s=ttft, ttfct_s=None, e2e_s=since(), acceptance_rate=None, drafted=len(drafts),
+        accepted=0, new_tokens=len(out), speculative=True, draft_start_s=draft_start,
+        full_ready_s=None, verify_s=None, stopped_at_eos=out[-1] in eos, verified=False,
+        unverified_reason=reason), tuple(out))
 
 
 def _truncate(tokens: list[int], eos: frozenset[int], n_max: int) -> list[int]:

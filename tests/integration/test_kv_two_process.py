@@ -15,7 +15,8 @@ import pytest
 from lynx_bench.workload import filler_prose, passkey_prompt
 from lynx_decode.codec_config import Scheme
 from lynx_decode.decode_node import DecodeNode
-from lynx_decode.events import Committed, Event, Rollback, Tentative
+from lynx_decode.events import Committed, Event, Rollback, Tentative, Unverified
+from lynx_decode.speculative import MissingFull
 from lynx_transport.errors import DecodeError, LynxError, PromptError
 
 from .nodes import serve_process
@@ -96,7 +97,8 @@ def test_prompt_beyond_context_is_refused_clearly(model, server, node) -> None:
         node.run(server, "hello " * 9000, scheme=Scheme.LYNX, max_new_tokens=4)
 
 
-def test_prefill_node_dying_mid_stream_is_an_error_and_nothing_tentative_is_committed(model, node) -> None:
+@pytest.mark.parametrize("policy", [MissingFull.FAIL, MissingFull.UNVERIFIED])
+def test_prefill_node_dying_mid_stream_never_commits_a_tentative_token(model, node, policy) -> None:
     ids = model.tokenize(filler_prose(model.tokenize, 2100, 107))
     events: list[Event] = []
     with serve_process() as (child, address):
@@ -105,8 +107,19 @@ def test_prefill_node_dying_mid_stream_is_an_error_and_nothing_tentative_is_comm
             if isinstance(event, Tentative) and child.proc.poll() is None:
                 os.kill(child.proc.pid, signal.SIGKILL)
 
-        with pytest.raises(LynxError):
-            node.run(address, ids, scheme=Scheme.LYNX, max_new_tokens=8, bandwidth_gbps=0.05,
-                     on_event=on_event)
+        def run():
+            return node.run(address, ids, scheme=Scheme.LYNX, max_new_tokens=8,
+                            bandwidth_gbps=0.05, on_missing_residual=policy, on_event=on_event)
+
+        if policy is MissingFull.FAIL:
+            with pytest.raises(LynxError, match="full KV cache failed"):
+                run()
+        else:
+            result = run()
+            assert result.metrics["verified"] is False
+            assert "failed" in result.metrics["unverified_reason"]
+            assert len(result.tokens) == 8
+            assert list(result.tokens) == [t for e in events if isinstance(e, Unverified)
+                                           for t in e.tokens]
     assert any(isinstance(e, Tentative) for e in events)
     assert not any(isinstance(e, Committed) for e in events)

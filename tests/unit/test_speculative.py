@@ -9,6 +9,7 @@ The real model runs the same checks in tests/integration/test_speculative_model.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import threading
 from collections.abc import Sequence
 
@@ -377,3 +378,47 @@ def test_model_failure_is_a_decode_error() -> None:
     kv = model.prefill([1, 2, 3]).kv
     with pytest.raises(DecodeError, match="out of memory"):
         generate(model, [1, 2, 3], full=ready(kv), t0=0.0)
+
+
+def _never_arriving_full(model: ToyLM, ids: list[int], policy, fail_after: int | None):
+    """Drive a run whose full cache fails after ``fail_after`` drafts (None: never arrives)."""
+    from lynx_decode.speculative import DecodeConfig as Config
+
+    kv = model.prefill(ids).kv
+    draft_kv = offset(kv, 3.0)
+    full: cf.Future[KVBuffers] = cf.Future()
+    events: list[Event] = []
+    config = Config(max_new_tokens=12, max_draft=4, full_timeout_s=0.05, on_missing_full=policy)
+    for event in decode_events(model, ids, full=full, draft=ready(draft_kv), config=config, t0=0.0):
+        events.append(event)
+        if fail_after is not None and len(events) == fail_after:
+            full.set_exception(ConnectionError("residual lane lost"))
+    return events, draft_kv
+
+
+@pytest.mark.parametrize("fail_after", [2, None])
+def test_missing_residual_can_finish_on_the_anchor_marked_unverified(fail_after) -> None:
+    from lynx_decode.events import Unverified
+    from lynx_decode.speculative import MissingFull
+
+    model = ToyLM(eos=False)
+    ids = list(range(1, 30))
+    events, draft_kv = _never_arriving_full(model, ids, MissingFull.UNVERIFIED, fail_after)
+    assert not any(isinstance(e, (Committed, Rollback)) for e in events)
+    unverified = [t for e in events if isinstance(e, Unverified) for t in e.tokens]
+    tentative = [e.token for e in events if isinstance(e, Tentative)]
+    assert unverified[: len(tentative)] == tentative  # drafts are re-issued, never committed
+    done = events[-1]
+    assert isinstance(done, Done) and done.metrics.verified is False
+    assert done.metrics.ttfct_s is None
+    assert re.search("full KV cache (failed|did not arrive)", done.metrics.unverified_reason)
+    assert list(done.tokens) == unverified == greedy_reference(model, ids, draft_kv, 12)
+
+
+@pytest.mark.parametrize("fail_after", [2, None])
+def test_missing_residual_fails_by_default_within_the_bound(fail_after) -> None:
+    from lynx_decode.speculative import MissingFull
+
+    model = ToyLM(eos=False)
+    with pytest.raises(DecodeError, match="full KV cache (failed|did not arrive within 0.05 s)"):
+        _never_arriving_full(model, list(range(1, 30)), MissingFull.FAIL, fail_after)
