@@ -1,4 +1,5 @@
-"""Numba intrinsics: non-temporal (streaming) stores and fp32 bit casts.
+"""Numba intrinsics: non-temporal (streaming) stores, fp32 bit casts and fp16
+conversions.
 
 Packing kernels write each output byte once and never read it back, so a store
 that bypasses the cache (x86 ``movnti``) saves the read-for-ownership of the
@@ -9,10 +10,11 @@ stores are weakly ordered: every worker ends its share of a kernel with
 
 from __future__ import annotations
 
+from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["stream_store", "store_fence", "f32_bits", "f32_from_bits"]
+__all__ = ["stream_store", "store_fence", "f32_bits", "f32_from_bits", "f16_round", "f16_widen"]
 
 
 @intrinsic
@@ -61,5 +63,30 @@ def f32_from_bits(typingctx, u):  # type: ignore[no-untyped-def]  # pragma: no c
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_round(typingctx, x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """fp16 bit pattern (uint16) of a float32 value, rounded to nearest even (IEEE
+    ``fptrunc``: one F16C instruction on x86)."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        half = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(half, ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_widen(typingctx, h):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """float32 value of an fp16 bit pattern (uint16), exactly."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        half = builder.bitcast(args[0], ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
 
     return sig, codegen

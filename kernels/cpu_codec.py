@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from lynx_kernels._nt import f32_bits, f32_from_bits
+from lynx_kernels._nt import f16_round, f16_widen
 from lynx_kernels.cpu_pack import _pack_word, _unpack_word
 
 __all__ = [
@@ -56,43 +56,13 @@ def _window(values):  # pragma: no cover - compiled
 @njit(inline="always", cache=True)
 def _to_f16(f):  # pragma: no cover - compiled
     # fp16 bits (int64) of float32 f, round to nearest even; overflow -> inf
-    u = np.int64(f32_bits(f))
-    sign = (u >> 16) & 0x8000
-    a = u & 0x7FFFFFFF
-    if a > 0x7F800000:
-        return sign | 0x7E00 | ((a >> 13) & 0x3FF)
-    if a >= 0x477FF000:
-        return sign | 0x7C00
-    if a >= 0x38800000:
-        h = (a >> 13) - 0x1C000
-        rem = a & 0x1FFF
-        if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
-            h += 1
-        return sign | h
-    shift = 126 - (a >> 23)
-    if shift > 24:
-        return sign
-    m = (a & 0x7FFFFF) | 0x800000
-    q = m >> shift
-    rem = m & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    if rem > half or (rem == half and (q & 1) == 1):
-        q += 1
-    return sign | q
+    return np.int64(f16_round(f))
 
 
 @njit(inline="always", cache=True)
 def _from_f16(h):  # pragma: no cover - compiled
     # float32 value of fp16 bits h (exact)
-    h = np.int64(h)
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0:
-        v = np.float32(m) * np.float32(5.9604644775390625e-08)  # m * 2**-24, exact
-        return -v if h & 0x8000 else v
-    bits = ((h & 0x8000) << 16) | (m << 13)
-    bits |= 0x7F800000 if e == 31 else (e + 112) << 23
-    return f32_from_bits(np.uint32(bits))
+    return f16_widen(np.uint16(h))
 
 
 @njit(inline="always", cache=True)
@@ -149,8 +119,21 @@ def _params(lo, hi, levels, rounded, bits):  # pragma: no cover - compiled
 
 @njit(inline="always", cache=True)
 def _code(x, z, inv, levels):  # pragma: no cover - compiled
+    # clip(rint((x - z) * inv), 0, levels) as selects (vectorizes; NaN never gets here)
     y = np.rint(np.float32(np.float32(x - z) * inv))
-    return np.uint8(min(max(y, np.float32(0)), levels))
+    y = levels if y > levels else y
+    y = np.float32(0) if y < np.float32(0) else y
+    return np.uint8(np.int32(y))
+
+
+@njit(inline="always", cache=True)
+def _nonfinite(xu):  # pragma: no cover - compiled
+    # whether fp32 bit patterns xu hold an inf or NaN (an integer sum: vectorizes)
+    m = np.uint32(0x7F800000)
+    acc = np.uint32(0)
+    for i in range(xu.size):
+        acc += np.uint32((xu[i] & m) == m)
+    return acc != np.uint32(0)
 
 
 # ---- packing a window of whole blocks -----------------------------------------------------
@@ -221,7 +204,6 @@ def encode_k(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, da
     lv = np.float32(levels)
     lo = np.empty(dim, np.float32)
     hi = np.empty(dim, np.float32)
-    chk = np.empty(dim, np.float32)
     inv = np.empty(dim, np.float32)
     zf = np.empty(dim, np.float32)
     win = np.empty(_window(min(group, tokens) * dim), np.uint8)
@@ -231,45 +213,41 @@ def encode_k(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, da
     b0 = 0
     bad_x = 0
     bad_p = 0
+    xu = x.view(np.uint32)
     for h in range(heads):
         for g in range(groups):
             t0 = g * group
             rows = min(tokens, t0 + group) - t0
             base = (h * tokens + t0) * dim
-            for d in range(dim):
-                lo[d] = x[base + d]
-                hi[d] = x[base + d]
-                chk[d] = np.float32(0)
-            for t in range(rows):
-                row = base + t * dim
+            if _nonfinite(xu[base : base + rows * dim]):
+                bad_x += 1
+                continue
+            lo[:] = x[base : base + dim]
+            hi[:] = x[base : base + dim]
+            for t in range(1, rows):
+                xr = x[base + t * dim : base + (t + 1) * dim]
                 for d in range(dim):
-                    v = x[row + d]
-                    lo[d] = min(lo[d], v)
-                    hi[d] = max(hi[d], v)
-                    chk[d] += v - v
-            flag = False
+                    v = xr[d]
+                    lo[d] = v if v < lo[d] else lo[d]
+                    hi[d] = v if v > hi[d] else hi[d]
             p = (h * groups + g) * dim
             for d in range(dim):
-                flag |= chk[d] != np.float32(0)
                 sb, zb, iv, z, ok = _params(lo[d], hi[d], lv, rounded, bits)
                 scale[p + d] = sb
                 zero[p + d] = zb
                 inv[d] = iv
                 zf[d] = z
                 bad_p += not ok
-            bad_x += flag
-            if mode == ENC_INT8:
-                for t in range(rows):
-                    row = base + t * dim
-                    for d in range(dim):
-                        data[row + d] = _code(x[row + d], zf[d], inv[d], lv)
-                continue
             for t in range(rows):
-                row = base + t * dim
-                at = fill + t * dim
+                xr = x[base + t * dim : base + (t + 1) * dim]
+                if mode == ENC_INT8:
+                    cr = data[base + t * dim : base + (t + 1) * dim]
+                else:
+                    cr = win[fill + t * dim : fill + (t + 1) * dim]
                 for d in range(dim):
-                    win[at + d] = _code(x[row + d], zf[d], inv[d], lv)
-            fill, b0 = _flush(win, fill + rows * dim, mode, bits, a64, r64, b0, False)
+                    cr[d] = _code(xr[d], zf[d], inv[d], lv)
+            if mode != ENC_INT8:
+                fill, b0 = _flush(win, fill + rows * dim, mode, bits, a64, r64, b0, False)
     if mode != ENC_INT8:
         _flush(win, fill, mode, bits, a64, r64, b0, True)
     return bad_x, bad_p
@@ -290,32 +268,38 @@ def encode_v(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, da
     b0 = 0
     bad_x = 0
     bad_p = 0
+    xu = x.view(np.uint32)
     for h in range(heads):
         for t0 in range(0, tokens, unit):
             rows = min(tokens, t0 + unit) - t0
+            first = (h * tokens + t0) * dim
+            if _nonfinite(xu[first : first + rows * dim]):
+                for t in range(rows):
+                    bad_x += _nonfinite(xu[first + t * dim : first + (t + 1) * dim])
+                continue
             for t in range(rows):
-                row = (h * tokens + t0 + t) * dim
+                row = first + t * dim
                 p = (h * tokens + t0 + t) * groups
-                dst = data if mode == ENC_INT8 else win
-                at = row if mode == ENC_INT8 else fill + t * dim
-                chk = np.float32(0)
+                xr = x[row : row + dim]
+                if mode == ENC_INT8:
+                    cr = data[row : row + dim]
+                else:
+                    cr = win[fill + t * dim : fill + (t + 1) * dim]
                 for g in range(groups):
                     d0 = g * group
                     d1 = min(dim, d0 + group)
-                    a = x[row + d0]
-                    b = x[row + d0]
+                    a = xr[d0]
+                    b = xr[d0]
                     for d in range(d0, d1):
-                        v = x[row + d]
-                        a = min(a, v)
-                        b = max(b, v)
-                        chk += v - v
+                        v = xr[d]
+                        a = v if v < a else a
+                        b = v if v > b else b
                     sb, zb, iv, z, ok = _params(a, b, lv, rounded, bits)
                     scale[p + g] = sb
                     zero[p + g] = zb
                     bad_p += not ok
                     for d in range(d0, d1):
-                        dst[at + d] = _code(x[row + d], z, iv, lv)
-                bad_x += chk != np.float32(0)
+                        cr[d] = _code(xr[d], z, iv, lv)
             if mode != ENC_INT8:
                 fill, b0 = _flush(win, fill + rows * dim, mode, bits, a64, r64, b0, False)
     if mode != ENC_INT8:
@@ -404,9 +388,11 @@ def decode_k(data, residual, tokens, dim, group, mode, bits, mult, offset, scale
             src, off = _source(mode, bits, data, a64, r64, win, base, rows * dim)
             o = h * head_stride + t0 * dim
             for t in range(rows):
+                vr = src[off + t * dim : off + (t + 1) * dim]
+                orow = out[o + t * dim : o + (t + 1) * dim]
                 for d in range(dim):
-                    code = np.float32(np.float32(src[off + t * dim + d]) * mult) + offset
-                    out[o + t * dim + d] = np.float32(code * s[d]) + z[d]
+                    code = np.float32(np.float32(vr[d]) * mult) + offset
+                    orow[d] = np.float32(code * s[d]) + z[d]
 
 
 @njit(nogil=True, cache=True)
@@ -426,13 +412,14 @@ def decode_v(data, residual, tokens, dim, group, mode, bits, mult, offset, scale
             for t in range(rows):
                 p = (h * tokens + t0 + t) * groups
                 o = h * head_stride + (t0 + t) * dim
-                at = off + t * dim
+                vr = src[off + t * dim : off + (t + 1) * dim]
+                orow = out[o : o + dim]
                 for g in range(groups):
                     sg = _from_f16(scale[p + g])
                     zg = _from_f16(zero[p + g])
                     for d in range(g * group, min(dim, (g + 1) * group)):
-                        code = np.float32(np.float32(src[at + d]) * mult) + offset
-                        out[o + d] = np.float32(code * sg) + zg
+                        code = np.float32(np.float32(vr[d]) * mult) + offset
+                        orow[d] = np.float32(code * sg) + zg
 
 
 # ---- bfloat16 passthrough ------------------------------------------------------------------
