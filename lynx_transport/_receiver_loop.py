@@ -436,7 +436,10 @@ class RxLoop(IoLoop):
         self.failed += 1
         rx.conn.streams.pop(h.stream_id, None)
         requests = [p.request for q in rx.pending.values() for p in q]
+        for q in rx.pending.values():  # a stale frame (traceback) may still reference a queue
+            q.regions.clear()
         rx.pending.clear()
+        rx.unverified.clear()
         blocks = [(r.offset, r.nbytes) for r in h.regions] if h._mark_released() else []
         # the token stays taken too: no new stream's tags may match these receives
         self.quarantine.append((self.clock.now() + QUARANTINE_S, blocks, requests, rx.token))
@@ -565,10 +568,18 @@ class RxLoop(IoLoop):
             for entry in self.quarantine:
                 until, blocks, requests, token = entry
                 if until <= now:
-                    requests.clear()  # dropping a UCXRequest cancels it
-                    self.tokens_in_use.discard(token)
-                    for off, n in blocks:
-                        self.o.pool.release(off, n)
+                    # cancel explicitly, and reuse the blocks only once every receive
+                    # has finished: no late message can land in another stream's bytes
+                    for req in requests:
+                        _ucx.cancel(req)
+                    if all(req.completed for req in requests):
+                        requests.clear()
+                        self.tokens_in_use.discard(token)
+                        for off, n in blocks:
+                            self.o.pool.release(off, n)
+                    else:
+                        keep.append(entry)
+                        deadline = min(deadline, now + HOUSEKEEPING_SLACK_S)
                 else:
                     keep.append(entry)
                     deadline = min(deadline, until)

@@ -16,12 +16,31 @@ control channel instead.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from lynx_transport.errors import (ConnectError, PeerDisconnectedError, ProtocolError,
                                    TransportError)
 
-__all__ = ["UcxWorker", "check", "as_bytes_view", "ensure_cuda_context"]
+__all__ = ["UcxWorker", "check", "cancel", "as_bytes_view", "ensure_cuda_context"]
+
+log = logging.getLogger("lynx_transport")
+
+#: How many workers were parked (see ``UcxWorker.close``).
+PARKED = 0
+
+
+def _park(obj: Any) -> None:
+    """Keep ``obj`` alive for the life of the process, through interpreter shutdown too.
+
+    A module-level list is cleared when the interpreter finalizes (which would
+    run the destructor after all); an extra reference count is not.
+    """
+    import ctypes  # noqa: PLC0415
+
+    global PARKED
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    PARKED += 1
 
 
 def _lib() -> Any:
@@ -92,15 +111,65 @@ class UcxWorker:
     def tag_send(self, endpoint: Any, view: Any, tag: int) -> Any:
         return endpoint.tag_send(_array(view), self._lib.UCXXTag(tag))
 
+    def unexpected_messages(self) -> bool:
+        """True when a tagged message arrived that no posted receive matched (yet)."""
+        try:
+            return bool(self._worker.tag_probe(self._lib.UCXXTag(0), self._lib.UCXXTagMask(0)).matched)
+        except Exception:  # noqa: BLE001 - treat an unknown state as "yes": the safe side
+            return True
+
     def close(self) -> None:
-        """Release the worker and context (on the owning thread, after its requests)."""
+        """Release the worker and context (on the owning thread, after its requests).
+
+        ucxx's worker destructor receives every message still waiting in UCX's
+        unexpected queue; for a rendezvous message whose sender has died that
+        crashed UCX 1.21 (``ucp_proto_rndv_send_reply``, seen after a SIGSTOPped
+        then SIGKILLed sender). Such messages arrive only from a faulty or
+        hostile peer (sends for a failed or cancelled stream, bogus tags), so
+        a worker that still holds any is parked for the life of the process
+        instead of destroyed (a bounded leak, logged), and the same reference
+        keeps a request freed later by another thread from destroying it there.
+        """
         if self._worker is not None:
             try:
                 self._worker.progress()
             except Exception:  # noqa: BLE001 - best effort while tearing down
                 pass
+            if self.unexpected_messages():
+                log.warning("UCX worker closed with undelivered messages from a failed peer; "
+                            "keeping it (not destroyed) to avoid a UCX crash")
+                _park(self._worker)
+                _park(self._ctx)
         self._worker = None
         self._ctx = None
+
+
+_CANCEL: Any = None
+
+
+def cancel(request: Any) -> None:
+    """Cancel a pending UCX request now (it completes with a cancelled status on progress).
+
+    ucxx's Python API has no ``cancel``; dropping the last Python reference
+    cancels too, but any other reference (a stored traceback's frame, say)
+    silently keeps a receive posted, so a failed stream's receives are
+    cancelled explicitly through ucxx's ``ucxx::Request::cancel()``.
+    """
+    global _CANCEL
+    if request.completed:
+        return
+    if _CANCEL is None:
+        import ctypes  # noqa: PLC0415
+        import pathlib  # noqa: PLC0415
+
+        import libucxx  # noqa: PLC0415 - the wheel that ships libucxx.so
+
+        so = next(pathlib.Path(next(iter(libucxx.__path__))).glob("lib*/libucxx.so"))
+        fn = ctypes.CDLL(str(so))._ZN4ucxx7Request6cancelEv
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = None
+        _CANCEL = fn
+    _CANCEL(request.ucxx_ptr)
 
 
 def check(request: Any, what: str) -> None:

@@ -140,6 +140,9 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
     * ``("cancel", stream_id, timeout)`` - cancel a started stream, wait for its end.
     * ``("incremental", specs, metadata, timeout)`` - ``open_stream`` first, then
       ``supply`` the regions one by one in reverse order; waits, returns timings.
+    * ``("open", specs, metadata)`` - ``open_stream`` only (the manifest goes out, no
+      data); returns the stream id. ``("supply", stream_id, name)`` supplies one region.
+    * ``("close",)`` - close the connection (an orderly close, mid-stream if need be).
     * ``("link_rate", (gbps, burst) | None)``, ``("lane_rate", lane, (gbps, burst) | None)``.
     * ``("rates",)``, ``("stats",)``.
     """
@@ -151,6 +154,7 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
     conn = connect(address, timeout=10.0, config=config)
     keep: list[Any] = []  # buffers of streams in flight stay alive
     started: dict[int, Any] = {}
+    opened_specs: dict[int, dict[str, tuple[int, int]]] = {}
 
     def timings(stream: Any) -> dict[str, Any]:
         opened = stream.opened_at
@@ -227,6 +231,23 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
                 for name, buf in reversed(buffers):
                     stream.supply(name, buf)
                 result = finish(stream, timeout)
+            elif op == "open":
+                _, specs, metadata = request
+                stream = conn.open_stream([(name, n, lane) for name, n, lane, _ in specs], metadata)
+                started[stream.stream_id] = stream
+                keep.append({name: (n, seed) for name, n, _, seed in specs})
+                opened_specs[stream.stream_id] = keep[-1]
+                result = stream.stream_id
+            elif op == "supply":
+                _, stream_id, name = request
+                n, seed = opened_specs[stream_id][name]
+                buf = data(seed, n)
+                keep.append(buf)
+                started[stream_id].supply(name, buf)
+                result = None
+            elif op == "close":
+                conn.close()
+                result = None
             elif op == "link_rate":
                 conn.set_link_rate(_rate(request[1]))
                 result = None
