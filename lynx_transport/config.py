@@ -46,6 +46,11 @@ class TransportConfig:
         (same user; ``kernel.yama.ptrace_scope`` <= 1). A receiver bound to a
         loopback address also limits UCX to ``NET_DEVICES=lo``, so its worker
         is not reachable from other hosts either.
+    ucx_net_devices:
+        UCX network devices (``UCX_NET_DEVICES`` syntax, e.g. ``"veth0"``), given to
+        the UCX context like ``ucx_tls``. ``None`` (default): ``lo`` for a
+        receiver bound to a loopback address, else every device. Pin it (with
+        ``ucx_tls="tcp"``) to keep data on one interface, e.g. an emulated link.
     link_rate / lane_rates:
         Initial shaping of a connection (sender side); change them at run time
         with ``Connection.set_link_rate`` / ``set_lane_rate``.
@@ -80,6 +85,7 @@ class TransportConfig:
     heartbeat_interval_s: float = 0.25
     peer_timeout_s: float = 1.5
     ucx_tls: str = "^posix,sysv"
+    ucx_net_devices: str | None = None
     link_rate: Rate | None = None
     lane_rates: tuple[tuple[int, Rate], ...] = ()
     manifest_limits: ManifestLimits = ManifestLimits()
@@ -104,6 +110,8 @@ class TransportConfig:
             raise ValueError(f"secret must be bytes of length >= {MIN_SECRET_BYTES}")
         if self.handshake_timeout_s <= 0:
             raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
+        if self.ucx_net_devices is not None and not self.ucx_net_devices:
+            raise ValueError("ucx_net_devices must be None or a non-empty device list")
         if not self.ucx_tls:
             raise ValueError("ucx_tls must not be empty")
         for lane, rate in self.lane_rates:
