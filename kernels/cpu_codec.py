@@ -126,6 +126,26 @@ def _code(x, z, inv, levels):  # pragma: no cover - compiled
     return np.uint8(np.int32(y))
 
 
+@njit(fastmath={"nnan", "nsz"}, cache=True)
+def _row_extremes(xs, dim, group, lo, hi):  # pragma: no cover - compiled
+    # V group extremes of finite rows xs [rows*dim] -> lo, hi [rows*groups]. Finite
+    # inputs only (checked before); which signed zero wins is free (params add +0.0).
+    groups = -(-dim // group)
+    for t in range(xs.size // dim):
+        xr = xs[t * dim : (t + 1) * dim]
+        for g in range(groups):
+            d0 = g * group
+            a = xr[d0]
+            b = xr[d0]
+            xg = xr[d0 : min(dim, d0 + group)]
+            for d in range(xg.size):
+                v = xg[d]
+                a = v if v < a else a
+                b = v if v > b else b
+            lo[t * groups + g] = a
+            hi[t * groups + g] = b
+
+
 @njit(inline="always", cache=True)
 def _nonfinite(xu):  # pragma: no cover - compiled
     # whether fp32 bit patterns xu hold an inf or NaN (an integer sum: vectorizes)
@@ -262,6 +282,10 @@ def encode_v(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, da
     lv = np.float32(levels)
     unit = max(1, _UNIT // dim)
     win = np.empty(_window(min(unit, tokens) * dim), np.uint8)
+    lo = np.empty(min(unit, tokens) * groups, np.float32)
+    hi = np.empty(min(unit, tokens) * groups, np.float32)
+    inv = np.empty(min(unit, tokens) * groups, np.float32)
+    zf = np.empty(min(unit, tokens) * groups, np.float32)
     a64 = data.view(np.uint64) if mode != ENC_INT8 else data[:0].view(np.uint64)
     r64 = residual.view(np.uint64)
     fill = 0
@@ -277,29 +301,30 @@ def encode_v(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, da
                 for t in range(rows):
                     bad_x += _nonfinite(xu[first + t * dim : first + (t + 1) * dim])
                 continue
+            _row_extremes(x[first : first + rows * dim], dim, group, lo, hi)
+            p = (h * tokens + t0) * groups
+            for i in range(rows * groups):
+                sb, zb, iv, z, ok = _params(lo[i], hi[i], lv, rounded, bits)
+                scale[p + i] = sb
+                zero[p + i] = zb
+                inv[i] = iv
+                zf[i] = z
+                bad_p += not ok
             for t in range(rows):
                 row = first + t * dim
-                p = (h * tokens + t0 + t) * groups
                 xr = x[row : row + dim]
                 if mode == ENC_INT8:
                     cr = data[row : row + dim]
                 else:
                     cr = win[fill + t * dim : fill + (t + 1) * dim]
                 for g in range(groups):
+                    z = zf[t * groups + g]
+                    iv = inv[t * groups + g]
                     d0 = g * group
-                    d1 = min(dim, d0 + group)
-                    a = xr[d0]
-                    b = xr[d0]
-                    for d in range(d0, d1):
-                        v = xr[d]
-                        a = v if v < a else a
-                        b = v if v > b else b
-                    sb, zb, iv, z, ok = _params(a, b, lv, rounded, bits)
-                    scale[p + g] = sb
-                    zero[p + g] = zb
-                    bad_p += not ok
-                    for d in range(d0, d1):
-                        cr[d] = _code(xr[d], z, iv, lv)
+                    xs = xr[d0 : min(dim, d0 + group)]  # a slice per group: the loop vectorizes
+                    cs = cr[d0 : min(dim, d0 + group)]
+                    for d in range(xs.size):
+                        cs[d] = _code(xs[d], z, iv, lv)
             if mode != ENC_INT8:
                 fill, b0 = _flush(win, fill + rows * dim, mode, bits, a64, r64, b0, False)
     if mode != ENC_INT8:
@@ -402,6 +427,8 @@ def decode_v(data, residual, tokens, dim, group, mode, bits, mult, offset, scale
     heads = scale.size // (groups * tokens)
     unit = max(1, _UNIT // dim)
     win = np.empty(_window(min(unit, tokens) * dim), np.uint8)
+    s = np.empty(min(unit, tokens) * groups, np.float32)
+    z = np.empty(min(unit, tokens) * groups, np.float32)
     a64 = data.view(np.uint64) if mode != DEC_INT8 else data[:0].view(np.uint64)
     r64 = residual.view(np.uint64)
     for h in range(heads):
@@ -409,17 +436,23 @@ def decode_v(data, residual, tokens, dim, group, mode, bits, mult, offset, scale
             rows = min(tokens, t0 + unit) - t0
             base = (h * tokens + t0) * dim
             src, off = _source(mode, bits, data, a64, r64, win, base, rows * dim)
+            p = (h * tokens + t0) * groups
+            for i in range(rows * groups):
+                s[i] = _from_f16(scale[p + i])
+                z[i] = _from_f16(zero[p + i])
             for t in range(rows):
-                p = (h * tokens + t0 + t) * groups
                 o = h * head_stride + (t0 + t) * dim
                 vr = src[off + t * dim : off + (t + 1) * dim]
                 orow = out[o : o + dim]
                 for g in range(groups):
-                    sg = _from_f16(scale[p + g])
-                    zg = _from_f16(zero[p + g])
-                    for d in range(g * group, min(dim, (g + 1) * group)):
-                        code = np.float32(np.float32(vr[d]) * mult) + offset
-                        orow[d] = np.float32(code * sg) + zg
+                    sg = s[t * groups + g]
+                    zg = z[t * groups + g]
+                    d0 = g * group
+                    vs = vr[d0 : min(dim, d0 + group)]  # a slice per group: the loop vectorizes
+                    os = orow[d0 : min(dim, d0 + group)]
+                    for d in range(vs.size):
+                        code = np.float32(np.float32(vs[d]) * mult) + offset
+                        os[d] = np.float32(code * sg) + zg
 
 
 # ---- bfloat16 passthrough ------------------------------------------------------------------
