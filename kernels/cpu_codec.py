@@ -476,5 +476,7 @@ def from_bf16(bits, tokens, dim, out, head_stride):  # pragma: no cover - compil
     ``head_stride`` apart), exactly."""
     per_head = tokens * dim
     for h in range(bits.size // per_head):
+        src = bits[h * per_head : (h + 1) * per_head]
+        dst = out[h * head_stride : h * head_stride + per_head]
         for i in range(per_head):
-            out[h * head_stride + i] = np.uint32(bits[h * per_head + i]) << np.uint32(16)
+            dst[i] = np.uint32(src[i]) << np.uint32(16)
