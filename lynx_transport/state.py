@@ -79,7 +79,7 @@ class Completion:
             if self._state.terminal:
                 return False
             self._state = state
-            self._error = error
+            self._error = _detached(error)
             self.completed_at = now
             self._cond.notify_all()
             return True
@@ -114,3 +114,19 @@ class Completion:
     def lane_is_done(self, lane: int) -> bool:
         with self._cond:
             return lane in self._lanes
+
+
+def _detached(error: TransportError | None) -> TransportError | None:
+    """``error`` (and its cause/context chain) without traceback frames.
+
+    A stored error outlives the I/O thread; the frames of a traceback would pin
+    whatever they referenced (UCX requests, hence the UCX worker and its file
+    descriptors) for as long as the user holds the stream.
+    """
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
