@@ -9,6 +9,13 @@ explicit :class:`Backend`; asking for an unavailable backend raises
 
 Code buffers handed between ops are flat uint8 arrays padded with zeros to whole
 64-value blocks (``padded(n)`` bytes), so packing kernels never see a tail.
+
+The codec calls two whole-tensor methods, :meth:`Ops.encode` and
+:meth:`Ops.decode`. Their default composes the per-stage kernels (what the
+reference and CuPy run); ``NumbaOps`` overrides them with fused single-pass
+kernels (``lynx_kernels.cpu_codec``) that run on the calling thread: a layer is
+a few MB, and a ``parallel=True`` launch per stage cost a thread-pool barrier
+(~8 ms on a loaded 2-core box) each time, plus NumPy temporaries in between.
 """
 
 from __future__ import annotations
@@ -211,8 +218,10 @@ def _locked(fn: Any) -> Any:
 
 
 class NumbaOps(Ops):
-    """Numba CPU kernels (``parallel=True``, cached on disk). Safe to call from
-    several threads: kernel launches are serialised."""
+    """Numba CPU kernels, cached on disk. :meth:`encode`/:meth:`decode` (the codec's
+    path) are fused serial ``nogil`` kernels, safe to run from several threads at
+    once; the per-stage ``parallel=True`` kernels (bulk packing, :func:`int8_codes`)
+    are serialised by a lock."""
 
     name = "numba"
 
