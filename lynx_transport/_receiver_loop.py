@@ -7,7 +7,6 @@ the public face is :class:`lynx_transport.receiver.Receiver`.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import ipaddress
 import logging
 import secrets
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from lynx_transport import _auth, _ucx
 from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
+from lynx_transport._receiver_state import _Conn, _Pending, _RxStream
 from lynx_transport.errors import (AuthenticationError, ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
                                    PoolExhaustedError, ProtocolError, StreamCancelledError,
                                    StreamFailedError, TransportError)
@@ -40,8 +40,8 @@ __all__ = ["RxLoop", "QUARANTINE_S", "MAX_UNCLAIMED"]
 log = logging.getLogger("lynx_transport")
 
 #: A failed stream's UCX receives stay posted, and its pool blocks stay taken,
-#: this long before the receives are cancelled (by dropping them) and the blocks
-#: reused: a receive that was matched mid-transfer finishes (or errors) first.
+#: this long before the receives are cancelled (explicitly) and the blocks
+#: reused (once every receive has finished): a receive that was matched mid-transfer finishes (or errors) first.
 #: Cancelling a matched receive while its dead peer's transfer was unwinding
 #: crashed UCX in testing.
 QUARANTINE_S = 0.2
@@ -52,88 +52,9 @@ MAX_UNCLAIMED = 1024
 #: Largest frame a peer may send before the handshake is done.
 HANDSHAKE_MAX_PAYLOAD = 256
 
-#: Completed stream ids remembered per connection (to recognise late duplicate confirmations).
-COMPLETED_MEMORY = 256
-
 #: Heartbeats and quarantine may run this late; keeps the loop polling, not sleeping.
 HOUSEKEEPING_SLACK_S = 0.01
 
-
-
-@dataclasses.dataclass
-class _Pending:
-    request: Any
-    region: int
-    offset: int
-    nbytes: int
-    index: int  # the chunk's number in the stream (tag low bits)
-    lane: int = 0
-
-
-class _LaneQueue:
-    """A lane's posted receives, one FIFO per region.
-
-    The sender sends a region's chunks in order, but regions in the order they
-    were *supplied* (not manifest order), so each iteration looks at the oldest
-    receive of every region on the lane: O(regions), exact for any order.
-    """
-
-    def __init__(self) -> None:
-        self.regions: dict[int, collections.deque[_Pending]] = {}
-        self.live = 0
-
-    def append(self, p: _Pending) -> None:
-        self.regions.setdefault(p.region, collections.deque()).append(p)
-        self.live += 1
-
-    def __bool__(self) -> bool:
-        return self.live > 0
-
-    def __iter__(self):
-        return (p for q in self.regions.values() for p in q)
-
-    def pop_completed(self) -> list[_Pending]:
-        done = []
-        for region, q in list(self.regions.items()):
-            while q and q[0].request.completed:
-                done.append(q.popleft())
-            if not q:
-                del self.regions[region]
-        self.live -= len(done)
-        return done
-
-
-class _RxStream:
-    """I/O-thread state of one incoming stream."""
-
-    def __init__(self, handle: ReceiveStream, token: int, conn: _Conn) -> None:
-        self.handle = handle
-        self.token = token
-        self.conn = conn
-        self.pending: dict[int, _LaneQueue] = collections.defaultdict(_LaneQueue)
-        m = handle.manifest
-        self.region_left = [r.nbytes for r in m.regions]
-        self.lane_left: dict[int, int] = collections.defaultdict(int)
-        for r in m.regions:
-            self.lane_left[r.lane] += r.nbytes
-        self.lanes_open = set(self.lane_left)
-        self.left = m.total_bytes
-        self.chunk_total = m.chunk_total
-        # verify_chunks: CRC32s announced by the sender, and chunks landed before their CRC
-        self.sums: dict[int, tuple[int, int]] = {}
-        self.unverified: dict[int, _Pending] = {}
-        self.verified: set[int] = set()
-
-
-class _Conn:
-    def __init__(self, ctl: ControlSocket, now: float) -> None:
-        self.ctl = ctl
-        self.accepted_at = now
-        self.hello = False          # True once WELCOME went out (authenticated if required)
-        self.challenge: tuple[bytes, bytes] | None = None  # (nonce_s, nonce_r) awaiting PROOF
-        self.streams: dict[int, _RxStream] = {}
-        # ids of recently completed streams: a CHUNK_SUM for one is a duplicate
-        self.completed_ids: collections.deque[int] = collections.deque(maxlen=COMPLETED_MEMORY)
 
 
 def _net_devices(host: str) -> str:

@@ -1,0 +1,94 @@
+"""I/O-thread state of a receiver: posted receives, incoming streams, control connections.
+
+Owned by the ``lynx-rx-io`` thread (:mod:`lynx_transport._receiver_loop`); plain data.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from lynx_transport._control import ControlSocket
+from lynx_transport.receive_stream import ReceiveStream
+
+__all__ = ["_Pending", "_LaneQueue", "_RxStream", "_Conn", "COMPLETED_MEMORY"]
+
+#: Completed stream ids remembered per connection (to recognise late duplicate confirmations).
+COMPLETED_MEMORY = 256
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: Any
+    region: int
+    offset: int
+    nbytes: int
+    index: int  # the chunk's number in the stream (tag low bits)
+    lane: int = 0
+
+
+class _LaneQueue:
+    """A lane's posted receives, one FIFO per region.
+
+    The sender sends a region's chunks in order, but regions in the order they
+    were *supplied* (not manifest order), so each iteration looks at the oldest
+    receive of every region on the lane: O(regions), exact for any order.
+    """
+
+    def __init__(self) -> None:
+        self.regions: dict[int, collections.deque[_Pending]] = {}
+        self.live = 0
+
+    def append(self, p: _Pending) -> None:
+        self.regions.setdefault(p.region, collections.deque()).append(p)
+        self.live += 1
+
+    def __bool__(self) -> bool:
+        return self.live > 0
+
+    def __iter__(self):
+        return (p for q in self.regions.values() for p in q)
+
+    def pop_completed(self) -> list[_Pending]:
+        done = []
+        for region, q in list(self.regions.items()):
+            while q and q[0].request.completed:
+                done.append(q.popleft())
+            if not q:
+                del self.regions[region]
+        self.live -= len(done)
+        return done
+
+
+class _RxStream:
+    """I/O-thread state of one incoming stream."""
+
+    def __init__(self, handle: ReceiveStream, token: int, conn: _Conn) -> None:
+        self.handle = handle
+        self.token = token
+        self.conn = conn
+        self.pending: dict[int, _LaneQueue] = collections.defaultdict(_LaneQueue)
+        m = handle.manifest
+        self.region_left = [r.nbytes for r in m.regions]
+        self.lane_left: dict[int, int] = collections.defaultdict(int)
+        for r in m.regions:
+            self.lane_left[r.lane] += r.nbytes
+        self.lanes_open = set(self.lane_left)
+        self.left = m.total_bytes
+        self.chunk_total = m.chunk_total
+        # verify_chunks: CRC32s announced by the sender, and chunks landed before their CRC
+        self.sums: dict[int, tuple[int, int]] = {}
+        self.unverified: dict[int, _Pending] = {}
+        self.verified: set[int] = set()
+
+
+class _Conn:
+    def __init__(self, ctl: ControlSocket, now: float) -> None:
+        self.ctl = ctl
+        self.accepted_at = now
+        self.hello = False          # True once WELCOME went out (authenticated if required)
+        self.challenge: tuple[bytes, bytes] | None = None  # (nonce_s, nonce_r) awaiting PROOF
+        self.streams: dict[int, _RxStream] = {}
+        # ids of recently completed streams: a CHUNK_SUM for one is a duplicate
+        self.completed_ids: collections.deque[int] = collections.deque(maxlen=COMPLETED_MEMORY)
