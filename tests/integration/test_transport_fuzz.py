@@ -47,7 +47,8 @@ CHUNK = 4096
 LIMITS = ManifestLimits(max_regions=16, max_metadata_bytes=1024, max_total_bytes=1 << 20,
                         max_chunks=512)
 CONFIG = TransportConfig(chunk_bytes=CHUNK, max_inflight_bytes=64 * 1024, secret=SECRET,
-                         verify_chunks=True, manifest_limits=LIMITS, pool_wait_s=0.0)
+                         verify_chunks=True, manifest_limits=LIMITS, pool_wait_s=0.0,
+                         handshake_timeout_s=0.5)  # a truncated HELLO costs 0.5 s, not 1.5
 POOL_BYTES = 2 << 20
 GUARD = 0xA5
 DEFAULT_CASES = 200
