@@ -135,7 +135,10 @@ class _TxLoop(IoLoop):
             sid, lane = unpack_stream_lane(frame.payload)
             tx = self.streams.get(sid)
             if tx is not None:
-                tx.handle._completion.lane_done(lane, self.clock.now())
+                if lane not in tx.handle.manifest.lanes:
+                    raise ProtocolError(f"LANE_DONE for lane {lane}, which stream {sid} does not use")
+                if not tx.handle._completion.lane_done(lane, self.clock.now()):
+                    raise ProtocolError(f"duplicate LANE_DONE for lane {lane} of stream {sid}")
         elif t is FrameType.STREAM_DONE:
             tx = self.streams.get(unpack_u64(frame.payload, "STREAM_DONE"))
             if tx is not None and tx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):

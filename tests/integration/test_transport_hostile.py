@@ -179,3 +179,50 @@ def test_an_unsolicited_checksum_breaks_the_connection() -> None:
         raw.handshake()
         raw.send(FrameType.CHUNK_SUM, pack_chunk_sum(1, 0, 1, 0))
         assert raw.drain_until_closed() == []
+
+
+@pytest.mark.parametrize("lane, message", [(5, "does not use"), (0, "duplicate")])
+def test_a_receivers_bogus_lane_confirmation_breaks_the_connection(lane: int, message: str) -> None:
+    """A sender rejects LANE_DONE for a lane the stream does not use, or twice for one lane."""
+    import socket
+    import threading
+
+    from lynx_transport._ucx import UcxWorker
+    from lynx_transport.wire import (FrameDecoder, encode_frame, pack_stream_lane,
+                                     pack_stream_token, pack_welcome)
+
+    with socket.socket() as fake:
+        fake.bind(("127.0.0.1", 0))
+        fake.listen()
+        done = threading.Event()
+
+        def serve() -> None:
+            worker = UcxWorker("^posix,sysv", "lo")  # a real address for the sender's endpoint
+            conn, _ = fake.accept()
+            with conn:
+                decoder = FrameDecoder(1 << 20)
+                conn.sendall(encode_frame(FrameType.WELCOME, pack_welcome(worker.address, 0.0, 0)))
+                while not any(f.type is FrameType.OPEN for f in decoder.feed(conn.recv(65536))):
+                    pass
+                conn.sendall(encode_frame(FrameType.ACCEPT, pack_stream_token(1, 77)))
+                conn.sendall(encode_frame(FrameType.LANE_DONE, pack_stream_lane(1, 0)))
+                if lane == 0:
+                    conn.sendall(encode_frame(FrameType.LANE_DONE, pack_stream_lane(1, 0)))
+                else:
+                    conn.sendall(encode_frame(FrameType.LANE_DONE, pack_stream_lane(1, lane)))
+                while not done.wait(0.001):
+                    worker.progress()  # answer the sender's UCX wire-up and close
+            worker.close()
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            with connect(fake.getsockname(), timeout=5, config=TransportConfig(chunk_bytes=CHUNK)) as conn:
+                s = conn.open_stream([("a", 10, Lane.ANCHOR)])
+                with pytest.raises(ProtocolError, match=message):
+                    s.wait(5)
+                assert s.state is StreamState.FAILED
+                assert isinstance(conn.broken, ProtocolError)
+        finally:
+            done.set()
+            t.join(10)
