@@ -288,6 +288,8 @@ class RxLoop(IoLoop):
         handle = ReceiveStream(manifest, regions, self.o.pool, conn.ctl.peer, self.o._release_from_user)
         rx = _RxStream(handle, self.alloc_token(), conn)
         conn.streams[sid] = rx
+        handle._abandon = lambda reason, timeout: self.call(
+            lambda: self.abandon(rx, reason)).result(timeout)
         self.o._dispatch.post(self.o._cb["on_stream_open"], handle)
         with self.o._opened_cond:
             self.o._opened.append(handle)
@@ -342,6 +344,7 @@ class RxLoop(IoLoop):
 
     def stream_landed(self, rx: _RxStream) -> None:
         if rx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
+            rx.handle._abandon = None
             self.completed += 1
             del rx.conn.streams[rx.handle.stream_id]
             rx.conn.completed_ids.append(rx.handle.stream_id)
@@ -349,11 +352,17 @@ class RxLoop(IoLoop):
             self.send(rx.conn, FrameType.STREAM_DONE, pack_u64(rx.handle.stream_id))
             self.o._dispatch.post(self.o._cb["on_stream_complete"], rx.handle)
 
+    def abandon(self, rx: _RxStream, reason: str) -> None:
+        """The receiver's user gave the stream up (``ReceiveStream.abandon``)."""
+        self.fail(rx, StreamCancelledError(f"stream {rx.handle.stream_id} was abandoned by the "
+                                           f"receiver: {reason}"), StreamState.CANCELLED, tell_peer=True)
+
     def fail(self, rx: _RxStream, exc: TransportError, state: StreamState,
              tell_peer: bool = False) -> None:
         h = rx.handle
         if not h._completion.finish(state, self.clock.now(), exc):
             return
+        h._abandon = None
         self.failed += 1
         rx.conn.streams.pop(h.stream_id, None)
         requests = [p.request for q in rx.pending.values() for p in q]

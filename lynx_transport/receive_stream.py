@@ -47,6 +47,7 @@ class ReceiveStream:
         self._release_cb = release_cb
         self._released = False
         self._lock = threading.Lock()
+        self._abandon: Callable[[str, float], None] | None = None  # set by the I/O thread
 
     def __repr__(self) -> str:
         return (f"ReceiveStream(id={self.stream_id}, regions={len(self.regions)}, "
@@ -108,6 +109,19 @@ class ReceiveStream:
     @property
     def lane_completed_at(self) -> dict[int, float]:
         return dict(self._completion.lane_completed_at)
+
+    def abandon(self, reason: str, timeout: float = 5.0) -> None:
+        """Give up on a stream that has not completed (a residual that never arrives, say).
+
+        The stream ends CANCELLED (``StreamCancelledError`` carrying ``reason``),
+        never completed; the sender is told (its stream fails), the stream's
+        receives are cancelled and its pool memory is released by the
+        transport after the quarantine - so copy out what you keep (the
+        anchor) first: views become invalid. A no-op on a finished stream.
+        """
+        if self.state.terminal or self._abandon is None:
+            return
+        self._abandon(reason, timeout)
 
     def release(self) -> None:
         """Give the stream's regions back to the pool (views become invalid). Idempotent.

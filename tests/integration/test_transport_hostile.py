@@ -8,6 +8,7 @@ bytes match it. These tests play the sender by hand (``RawPeer`` + ``RawDataPath
 from __future__ import annotations
 
 import dataclasses
+import time
 import zlib
 
 import numpy as np
@@ -226,3 +227,37 @@ def test_a_receivers_bogus_lane_confirmation_breaks_the_connection(lane: int, me
         finally:
             done.set()
             t.join(10)
+
+
+def test_a_receiver_abandons_a_residual_that_never_arrives() -> None:
+    """The decode side's way out: copy the anchor, abandon the stream; never completed."""
+    from lynx_transport.errors import StreamCancelledError, StreamFailedError, TransportTimeoutError
+
+    pool = ReceivePool(8 << 20)
+    cfg = TransportConfig(chunk_bytes=CHUNK)
+    with Receiver(pool, config=cfg) as rx, connect(rx.address, timeout=10, config=cfg) as conn:
+        anchor = pattern(7, 50_000)
+        s = conn.open_stream([("a", anchor.nbytes, Lane.ANCHOR), ("r", 1 << 20, Lane.RESIDUAL)])
+        s.supply("a", anchor)  # the residual is never supplied
+        stream = rx.next_stream(10)
+        stream.wait_lane(Lane.ANCHOR, 10)
+        with pytest.raises(TransportTimeoutError):
+            stream.wait_lane(Lane.RESIDUAL, 0.2)
+        kept = stream.view("a").copy()
+        stream.abandon("the residual missed its deadline")
+        assert stream.state is StreamState.CANCELLED
+        with pytest.raises(StreamCancelledError, match="abandoned by the receiver"):
+            stream.wait(1)
+        with pytest.raises(StreamFailedError, match="abandoned"):
+            s.wait(5)  # the sender learns it
+        assert np.array_equal(kept, anchor)
+        stream.abandon("again")  # a no-op once finished
+        deadline = time.monotonic() + 5
+        while pool.free_bytes != pool.nbytes and time.monotonic() < deadline:
+            time.sleep(0.01)  # probe: released after the quarantine
+        assert pool.free_bytes == pool.nbytes
+        data = pattern(8, 10_000)
+        conn.send_stream([("b", data, Lane.ANCHOR)]).wait(10)  # the connection still works
+        nxt = rx.next_stream(10)
+        nxt.wait(10)
+        assert np.array_equal(nxt.view("b"), data)
