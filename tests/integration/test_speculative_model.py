@@ -226,12 +226,14 @@ def check_codec_prompt(model: HFCausalLM, case: tuple[str, float | None, int]) -
         assert events[-1].metrics.drafted >= 1
 
 
-@pytest.mark.parametrize("case", CODEC_SEEDS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
+# One prompt in the default run (the two-process test in test_kv_two_process.py covers
+# five prompts x three anchor widths end to end); the others under `slow`.
+@pytest.mark.parametrize("case", CODEC_SEEDS[:1], ids=lambda c: f"{c[0]}-{c[2]}")
 def test_lynx_commits_exactly_int8_greedy(model: HFCausalLM, case) -> None:  # noqa: ANN001
     check_codec_prompt(model, case)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CODEC_SEEDS[2:], ids=lambda c: f"{c[0]}-{c[2]}")
+@pytest.mark.parametrize("case", CODEC_SEEDS[1:], ids=lambda c: f"{c[0]}-{c[2]}")
 def test_lynx_commits_exactly_int8_greedy_more_prompts(model: HFCausalLM, case) -> None:  # noqa: ANN001
     check_codec_prompt(model, case)
