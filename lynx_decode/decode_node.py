@@ -202,14 +202,9 @@ class DecodeNode:
             if stream.state.terminal:
                 stream.release()  # failed/cancelled streams are released by the transport
             else:
-                # Still receiving (a stalled residual): the pool regions stay with the
-                # stream until it ends (released here on completion, by the transport
-                # on failure).
-                log.warning("KV stream %d still %s after the run; its pool memory is held "
-                            "until it ends", stream.stream_id, stream.state.value)
-                self._release_on_complete.add(stream.stream_id)
-                if stream.state.terminal:  # it ended in between
-                    self._on_complete(stream)
+                # Still receiving (a stalled residual, or the run failed): give the
+                # stream up; the sender is told and the transport frees its pool memory.
+                stream.abandon("the decode node finished without the rest of the stream")
             with self._lock:
                 self._assemblers.pop(stream.stream_id, None)
                 lane_done = self._lane_done.pop(stream.stream_id, {})
