@@ -195,9 +195,11 @@ def _emit(win, nb, mode, bits, anchor, residual, b0):  # pragma: no cover - comp
         _split_blocks(win, nb, anchor, residual, b0, 6, 2)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def _flush(win, fill, mode, bits, anchor, residual, b0, last):  # pragma: no cover - compiled
-    # pack the window's whole blocks (all of it, zero-padded, when last); keep the rest
+    # pack the window's whole blocks (all of it, zero-padded, when last); keep the rest.
+    # Not inlined: one call per unit, and every packing width is compiled once, not per
+    # call site and kernel
     if last and fill % 64:
         win[fill : fill + 64 - fill % 64] = 0
         fill += 64 - fill % 64
@@ -350,9 +352,10 @@ def _merge_blocks(anchor, residual, b0, nb, win, wa, wr):  # pragma: no cover - 
             win[j * 8 + i] = high | _unpack_word(residual, (b0 + j) * wr, wr, i)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def _values(mode, bits, a64, r64, b0, nb, win):  # pragma: no cover - compiled
     # blocks b0 .. b0+nb-1 of the unit's 8-bit values (or anchors) into the window
+    # (not inlined, like _flush)
     if mode == DEC_INT4:
         _unpack_blocks(a64, b0, nb, win, 4)
     elif mode == DEC_ANCHOR:
