@@ -25,6 +25,7 @@ import numpy as np
 from lynx_decode.codec_config import Scheme
 from lynx_decode.events import Event, Tentative
 from lynx_decode.kvstream import KVAssembler, warm_up_codec
+from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import KVRequest, PromptKind, parse_error_reply
 from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull, generate
@@ -67,6 +68,7 @@ class DecodeNode:
         self._assemblers: dict[int, KVAssembler] = {}
         self._lane_done: dict[int, dict[int, float]] = {}
         self._release_on_complete: set[int] = set()
+        self._kv_cache: dict[tuple[str, KVShape, int], KVBuffers] = {}
         self._lock = threading.Lock()
         warm_up_codec()
         self._receiver = Receiver(
@@ -91,7 +93,8 @@ class DecodeNode:
                 future.set_exception(DecodeError(f"the prefill node refused the request: {message}"))
             return
         try:
-            assembler = KVAssembler(stream, self.model.info, headroom=self._headroom)
+            assembler = KVAssembler(stream, self.model.info, headroom=self._headroom,
+                                    allocate=self._buffers)
         except LynxError as exc:
             log.warning("rejecting KV stream %d from %s: %s", stream.stream_id, stream.peer, exc)
             request_id = _request_id_of(stream)
@@ -131,8 +134,31 @@ class DecodeNode:
         if assembler is not None:
             assembler.on_failed(error)
 
-    # -- one run ---------------------------------------------------------------------------
+    # -- cache buffers ------------------------------------------------------------------------
     _headroom = 64
+
+    def _buffers(self, name: str, shape: KVShape, headroom: int) -> KVBuffers:
+        """The ``name`` ("draft"/"full") cache buffers for ``shape``, reused across runs of
+        the same prompt length and pre-faulted when first made (see :meth:`prepare`)."""
+        key = (name, shape, headroom)
+        kv = self._kv_cache.get(key)
+        if kv is None:
+            self._kv_cache = {k: v for k, v in self._kv_cache.items() if k[0] != name}
+            kv = self._kv_cache[key] = KVBuffers(shape, headroom=headroom).prefault()
+        kv.reset()
+        return kv
+
+    def prepare(self, prompt_tokens: int, *, max_new_tokens: int = 32,
+                max_draft: int = DEFAULT_MAX_DRAFT) -> None:
+        """Allocate and pre-fault the cache buffers for a prompt of ``prompt_tokens`` tokens
+        before asking for it (``run`` does this when it is given token ids), so page
+        faults of fresh memory are not counted in the time to first token."""
+        headroom = max_new_tokens + max_draft + 2
+        shape = self.model.info.kv_shape(prompt_tokens - 1)
+        for name in ("draft", "full"):
+            self._buffers(name, shape, headroom)
+
+    # -- one run ---------------------------------------------------------------------------
 
     def run(self, server: tuple[str, int], prompt: str | list[int], *, scheme: Scheme,
             max_new_tokens: int = 32, anchor_bits: int = 4, kind: PromptKind = "text",
@@ -162,6 +188,7 @@ class DecodeNode:
                 raise PromptError(f"the prompt has {len(prompt)} tokens; with {max_new_tokens} new "
                                   f"tokens it exceeds the model's context window of {limit}")
             payload = np.asarray(prompt, dtype="<i4").tobytes()
+            self.prepare(len(prompt), max_new_tokens=max_new_tokens, max_draft=max_draft)
         request = KVRequest(request_id, scheme, anchor_bits, kind, self.address, bandwidth_gbps)
         self._headroom = max_new_tokens + max_draft + 2
         future: cf.Future[KVAssembler] = cf.Future()

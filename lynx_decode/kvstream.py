@@ -214,10 +214,13 @@ class KVAssembler:
     non-LYNX schemes) and :attr:`full` (the exact cache) as futures resolving to
     :class:`KVBuffers`. ``headroom`` positions are reserved after the prompt for
     generated tokens. ``clock`` stamps :attr:`timings` (seconds on that clock).
+    ``allocate(name, shape, headroom)`` supplies the ``"draft"``/``"full"`` buffers
+    (default: new ones); the decode node passes buffers it prepared before asking.
     """
 
     def __init__(self, stream: ReceiveStream, info: ModelInfo, *, headroom: int = 64,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 allocate: Callable[[str, KVShape, int], KVBuffers] | None = None) -> None:
         self.stream = stream
         self.header = KVHeader.from_metadata(stream.metadata)
         self.shape = self.header.check_model(info)
@@ -233,8 +236,9 @@ class KVAssembler:
         self.draft: cf.Future[KVBuffers] | None = cf.Future() if self.speculative else None
         self.timings: dict[str, float] = {}
         self.dequant_s = 0.0
-        self._full_kv = KVBuffers(self.shape, headroom=headroom)
-        self._draft_kv = KVBuffers(self.shape, headroom=headroom) if self.speculative else None
+        alloc = allocate or (lambda _name, shape, room: KVBuffers(shape, headroom=room))
+        self._full_kv = alloc("full", self.shape, headroom)
+        self._draft_kv = alloc("draft", self.shape, headroom) if self.speculative else None
         self._landed: set[tuple[int, Stream]] = set()
         self._lock = threading.Lock()
         self.token_ids: tuple[int, ...] | None = None
