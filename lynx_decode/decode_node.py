@@ -208,9 +208,12 @@ class DecodeNode:
         def events(event: Event) -> None:
             if isinstance(event, Tentative) and not first_token:
                 first_token.append(time.time())
+                assembler.open_full_gate()  # the first token is out: rebuild the exact cache
             if on_event is not None:
                 on_event(event)
 
+        if max_draft == 0:
+            assembler.open_full_gate()
         try:
             ids = assembler.prompt_ids(self.timeout_s)
             config = DecodeConfig(max_new_tokens=max_new_tokens,

@@ -241,6 +241,11 @@ class KVAssembler:
         self._draft_kv = alloc("draft", self.shape, headroom) if self.speculative else None
         self._landed: set[tuple[int, Stream]] = set()
         self._lock = threading.Lock()
+        #: Closed: exact (residual) layers wait; see :meth:`open_full_gate`.
+        self.full_gate = threading.Event()
+        if not self.speculative:
+            self.full_gate.set()
+        self._deferred: list[tuple[int, LayerLayout]] = []
         self.token_ids: tuple[int, ...] | None = None
         self._tokens_future: cf.Future[tuple[int, ...]] = cf.Future()
 
@@ -281,6 +286,7 @@ class KVAssembler:
         layout = self.header.layout.layers[layer]
         with self._lock:
             self._landed.add((layer, stream))
+            gate_open = self.full_gate.is_set()
             has_residual = Stream.RESIDUAL in layout.streams
             anchor_in = (layer, Stream.ANCHOR) in self._landed
             residual_in = (layer, Stream.RESIDUAL) in self._landed
@@ -288,8 +294,34 @@ class KVAssembler:
             self._decode(layer, layout, self._draft_kv, residual=False)
             self._maybe_resolve(self._draft_kv, self.draft, "draft")
         if anchor_in and (residual_in or not has_residual):
-            self._decode(layer, layout, self._full_kv, residual=has_residual)
-            self._maybe_resolve(self._full_kv, self.full, "full")
+            if self.speculative and not gate_open:
+                with self._lock:
+                    if not self.full_gate.is_set():
+                        self._deferred.append((layer, layout))
+                        return
+            self._decode_full(layer, layout, has_residual)
+
+    def open_full_gate(self) -> None:
+        """Let exact layers be dequantized (call once the first token is out, or at once).
+
+        LYNX dequantizes residual layers only after the gate opens, so the first
+        draft step does not share CPU and memory bandwidth with rebuilding the full
+        cache; layers that landed before are decoded then, on the calling thread.
+        Idempotent and thread-safe."""
+        with self._lock:
+            if self.full_gate.is_set():
+                return
+            self.full_gate.set()
+            pending, self._deferred = self._deferred, []
+        try:
+            for layer, layout in pending:
+                self._decode_full(layer, layout, True)
+        except LynxError as exc:
+            self.fail(exc)
+
+    def _decode_full(self, layer: int, layout: LayerLayout, residual: bool) -> None:
+        self._decode(layer, layout, self._full_kv, residual=residual)
+        self._maybe_resolve(self._full_kv, self.full, "full")
 
     def _decode(self, layer: int, layout: LayerLayout, kv: KVBuffers, *, residual: bool) -> None:
         anchor = self.stream.view(region_name(layer, Stream.ANCHOR))
