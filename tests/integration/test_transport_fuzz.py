@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect, wire
 from lynx_transport.errors import LynxError
 from lynx_transport.manifest import ManifestLimits, decode_manifest
+from lynx_transport.pool import ALIGNMENT
 from lynx_transport.testing import RawDataPath, RawPeer, pattern
 from lynx_transport.wire import Frame, FrameDecoder, FrameType, encode_frame
 
@@ -279,10 +280,11 @@ def run_receiver_case(corpus: Corpus, target: Target, data) -> None:
     try:
         drive(corpus, target, data, sent, tokens)
     except BaseException:
-        settle(target)  # leave a clean receiver for the next case, report this one
-        for stream in target.drain():
+        for stream in settle(target):  # leave a clean receiver for the next case, report this one
             for r in stream.regions:
                 target.pool.view(r.offset, r.nbytes)[:] = GUARD
+            if stream.state is StreamState.COMPLETED:
+                stream.release()
         raise
     check(target, sent, tokens)
 
@@ -337,22 +339,31 @@ def drive(corpus: Corpus, target: Target, data, sent: dict, tokens: dict) -> Non
             pass  # the receiver dropped the connection: what we check is how it got there
 
 
-def settle(target: Target) -> None:
-    """Wait (probe) until the receiver has seen the close and freed the pool."""
+def held(streams: list) -> int:
+    """Pool bytes completed streams keep until their user releases them."""
+    return sum(-(-max(r.nbytes, 1) // ALIGNMENT) * ALIGNMENT
+               for st_ in streams if st_.state is StreamState.COMPLETED for r in st_.regions)
+
+
+def settle(target: Target) -> list:
+    """Wait (probe) until the receiver has seen the close and freed the pool; the streams opened."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and target.rx._loop.alive and (
-            target.connections() or target.rx.stats().active_streams
-            or target.pool.free_bytes != POOL_BYTES):
+            target.connections() or target.rx.stats().active_streams):
         time.sleep(0.005)
+    opened = target.drain()  # queued synchronously before each ACCEPT went out
+    while time.monotonic() < deadline and target.rx._loop.alive and (
+            target.pool.free_bytes != POOL_BYTES - held(opened)):
+        time.sleep(0.005)
+    return opened
 
 
 def check(target: Target, sent: dict, tokens: dict) -> None:
     # the connection is closed: every stream of it ends, the pool frees up
     assert target.rx._loop.alive, "the receiver's I/O thread died"
-    settle(target)
+    opened = settle(target)
     assert target.rx.stats().active_streams == 0
-    assert target.pool.free_bytes == POOL_BYTES, "pool regions leaked"
-    opened = target.drain()  # queued synchronously before each ACCEPT went out
+    assert target.pool.free_bytes == POOL_BYTES - held(opened), "pool regions leaked"
     # guard bytes: nothing written outside the regions of accepted streams
     mask = np.ones(POOL_BYTES, dtype=bool)
     for stream in opened:
@@ -379,6 +390,9 @@ def check(target: Target, sent: dict, tokens: dict) -> None:
     for stream in opened:
         for r in stream.regions:
             view[r.offset:r.offset + r.nbytes] = GUARD
+        if stream.state is StreamState.COMPLETED:
+            stream.release()  # the user's part: a completed stream keeps its memory until then
+    assert target.pool.free_bytes == POOL_BYTES, "pool regions leaked"
 
 
 @settings(max_examples=DEFAULT_CASES, deadline=None, suppress_health_check=list(HealthCheck))
