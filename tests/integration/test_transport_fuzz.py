@@ -79,11 +79,17 @@ class Relay:
             while True:
                 for key, _ in sel.select(5):
                     peer, log = key.data
-                    data = key.fileobj.recv(1 << 16)
+                    try:
+                        data = key.fileobj.recv(1 << 16)
+                    except ConnectionResetError:
+                        return  # a side closed with unread data: the capture is over
                     if not data:
                         return
                     log += data
-                    peer.sendall(data)
+                    try:
+                        peer.sendall(data)
+                    except (BrokenPipeError, ConnectionResetError):
+                        return
 
     def close(self) -> None:
         self.thread.join(10)
