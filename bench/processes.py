@@ -10,6 +10,7 @@ import os
 import queue
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -46,8 +47,6 @@ class Child:
 
     def expect(self, prefix: str, timeout: float) -> str:
         """The rest of the next stdout line starting with ``prefix``."""
-        import time  # noqa: PLC0415
-
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

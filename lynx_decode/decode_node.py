@@ -24,7 +24,7 @@ import numpy as np
 
 from lynx_decode.codec_config import Scheme
 from lynx_decode.events import Event, Tentative
-from lynx_decode.kvstream import KVAssembler, warm_up_codec
+from lynx_decode.kvstream import KVAssembler, KVHeader, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import KVRequest, PromptKind, parse_error_reply
@@ -259,8 +259,6 @@ def _result(future: cf.Future[KVAssembler], timeout: float, what: str) -> KVAsse
 
 
 def _request_id_of(stream: ReceiveStream) -> str | None:
-    from lynx_decode.kvstream import KVHeader  # noqa: PLC0415
-
     try:
         return KVHeader.from_metadata(stream.metadata).request_id
     except LynxError:
