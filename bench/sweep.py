@@ -7,7 +7,10 @@ with the link held to the bandwidth either by the sender's token-bucket shaper
 (``--link shaper``, default, no root) or by tc in two network namespaces
 (``--link netns``, root; one link per bandwidth). Results: ``DIR/results.json``,
 ``DIR/results.csv`` (fixed columns, :mod:`lynx_bench.results`), the plots
-``DIR/ttft_vs_bandwidth.png`` and ``DIR/accuracy.png``, and a table on stdout.
+``DIR/ttft_vs_bandwidth.png`` and ``DIR/accuracy.png``, a table on stdout, and
+``DIR/runs.jsonl``: one line per run (reference runs included) with the job and
+every metric the decode node reported (lane transfer times, ``draft_ready_s``,
+``first_tentative_s``, ``dequant_s``, tokens, ...), written as runs finish.
 
 ``agreement_vs_int8`` / ``agreement_vs_bf16``: 1.0 when a run's tokens equal the
 INT8 / BF16 run's tokens for the same prompt (decoded unshaped when that scheme
@@ -170,6 +173,7 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
     bar = _progress(total, not progress)
     results: list[tuple[_Job, dict[str, Any]]] = []
     model_id = None
+    runs = (config.out / "runs.jsonl").open("w", encoding="utf-8")
     try:
         for group_bw, jobs in all_jobs:
             with _nodes(config, group_bw, logs) as (worker, ready):
@@ -187,9 +191,12 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
                     if "error" in out:
                         raise ChildError(f"run {job} failed: {out['error']}")
                     results.append((job, out))
+                    runs.write(json.dumps({"job": dataclasses.asdict(job), **out}) + "\n")
+                    runs.flush()
                     if bar is not None:
                         bar.update()
     finally:
+        runs.close()
         if bar is not None:
             bar.close()
     rows = _rows(results)

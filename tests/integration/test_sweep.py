@@ -50,6 +50,15 @@ def test_tiny_sweep_writes_fixed_columns_and_plots(tmp_path: Path) -> None:
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
         assert str(out / png) in proc.stdout
     assert "ttft_s" in proc.stdout
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    recorded = [r for r in runs if r["job"]["recorded"]]
+    assert len(recorded) == len(rows)
+    for run in recorded:
+        assert run["ttft_s"] == next(r["ttft_s"] for r in rows if r["scheme"] == run["scheme"]
+                                     and r["bandwidth_gbps"] == run["job"]["bandwidth_gbps"])
+        assert run["transfer_anchor_s"] <= run["ttft_s"]
+        if run["scheme"] == "lynx":
+            assert run["draft_ready_s"] <= run["first_tentative_s"]
 
 
 @pytest.mark.parametrize(("args", "message"), [
