@@ -7,7 +7,10 @@ peer-error handling, the same ``UCX_TLS``, ``UCX_NET_DEVICES=lo`` as a
 loopback-bound Lynx receiver, one tagged message per transfer into a
 preallocated buffer, the worker polled by the calling thread);
 ``ucx_perftest`` runs ``tag_bw`` with the same ``UCX_TLS`` and net devices and
-without ``-e`` (no error handling).
+without ``-e`` (no error handling). ``ucx_perftest`` never writes its buffers,
+so over cma its receiver copies from the kernel's shared zero page; the UCX
+baselines here send from such an untouched buffer too (like for like) and
+from a written one (what real data gets).
 """
 
 from __future__ import annotations
@@ -43,18 +46,22 @@ def _wait(worker: Any, request: Any) -> None:
 
 
 def raw_ucxx_receiver(pipe: Pipe, nbytes: int, tls: str) -> None:
-    """Child: post one tagged receive per request, answer when the bytes are in place."""
-    import numpy as np  # noqa: PLC0415
+    """Child: post one tagged receive per request, answer (with the last byte) when the
+    bytes are in place. The buffer's last byte is set to 255 first; senders send zeros."""
     from ucxx._lib.arr import Array  # noqa: PLC0415
 
     lib, ctx, worker = _worker(tls)
-    buf = np.full(nbytes, 0, dtype=np.uint8)
+    from lynx_transport.testing import WRITTEN_ZEROS, pattern  # noqa: PLC0415
+
+    buf = pattern(WRITTEN_ZEROS, nbytes)  # written, 2 MiB-aligned, like a Lynx pool
+    buf.fill(255)
     pipe.send(("ok", bytes(worker.address)))
     while True:
         request = pipe.recv()
         if request[0] == "exit":
             return
         tag = request[1]
+        buf[-1] = 255
         recv = worker.tag_recv(Array(buf), lib.UCXXTag(tag))
         pipe.send(("ok", "posted"))
         _wait(worker, recv)
@@ -62,26 +69,29 @@ def raw_ucxx_receiver(pipe: Pipe, nbytes: int, tls: str) -> None:
 
 
 class RawUcxxSender:
-    """Parent side of the raw ucxx baseline."""
+    """Parent side of the raw ucxx baseline: sends from a written or an untouched buffer
+    (see :func:`lynx_transport.testing.pattern`)."""
 
     def __init__(self, address: bytes, nbytes: int, tls: str) -> None:
-        import numpy as np  # noqa: PLC0415
         from ucxx._lib.arr import Array  # noqa: PLC0415
+
+        from lynx_transport.testing import UNTOUCHED, WRITTEN_ZEROS, pattern  # noqa: PLC0415
 
         self.lib, self.ctx, self.worker = _worker(tls)
         self.ep = self.worker.create_endpoint_from_worker_address(
             self.lib.UCXAddress.create_from_buffer(address), False)
-        self.buf = Array(np.full(nbytes, 7, dtype=np.uint8))
+        self.bufs = {seed: Array(pattern(seed, nbytes)) for seed in (WRITTEN_ZEROS, UNTOUCHED)}
         self.tag = 0
 
-    def send(self, peer: Any) -> float:
-        """One message; seconds from the send to the receiver's confirmation."""
+    def send(self, peer: Any, seed: int) -> float:
+        """One message from the ``seed`` buffer; seconds from the send to the receiver's
+        confirmation."""
         self.tag += 1
         assert peer.call("post", self.tag) == "posted"
         start = time.perf_counter()
-        request = self.ep.tag_send(self.buf, self.lib.UCXXTag(self.tag))
+        request = self.ep.tag_send(self.bufs[seed], self.lib.UCXXTag(self.tag))
         _wait(self.worker, request)
-        assert peer.reply(60) == 7
+        assert peer.reply(60) == 0
         return time.perf_counter() - start
 
 

@@ -25,9 +25,10 @@ class TransportConfig:
         load, larger ones cost less per byte.
     max_inflight_bytes:
         Bytes handed to UCX and not yet completed, per connection: the most
-        an anchor chunk can wait behind. 8 MiB kept loopback throughput at
-        ucx_perftest's level here (4 MiB: ~0.8x); lower it for tighter anchor
-        latency on slow unshaped links.
+        an anchor chunk can wait behind. 8 MiB keeps 64 MiB loopback streams
+        at raw ucxx's throughput here (0.9x; 1-8 MiB chunks with 8-32 MiB in
+        flight measured alike, ``lynx bench-transport``); lower it for tighter
+        anchor latency on slow unshaped links.
     heartbeat_interval_s / peer_timeout_s:
         Each side sends a heartbeat when it has been silent this long, and
         declares the peer lost (``PeerDisconnectedError``) after hearing nothing

@@ -20,12 +20,13 @@ from lynx_transport.errors import BackendError, PoolExhaustedError
 __all__ = ["PoolMemory", "ReceivePool"]
 
 ALIGNMENT = 256
+HUGE_PAGE = 2 << 20  # host pools start on a 2 MiB boundary, so THP can back all of them
 
 
 class PoolMemory(enum.Enum):
     """Where the pool lives."""
 
-    HOST = "host"   # NumPy, page-aligned host memory
+    HOST = "host"   # NumPy host memory, 2 MiB-aligned
     CUDA = "cuda"   # CuPy device memory on the current device (needs the `gpu` extra)
 
 
@@ -36,7 +37,8 @@ def _round_up(n: int, align: int) -> int:
 class ReceivePool:
     """A pre-allocated receive buffer of ``nbytes`` bytes in ``memory``.
 
-    Host pools are page-aligned and pre-faulted (every page written once) at
+    Host pools start on a 2 MiB boundary (so transparent huge pages, which
+    NumPy requests for large arrays, can back all of them) and are pre-faulted (every page written once) at
     creation, so transfers never pay for first-touch page faults. ucxx exposes
     no explicit memory registration; UCX registers the pool on first use
     (where the transport needs it, e.g. RDMA) and keeps it in its
@@ -55,8 +57,8 @@ class ReceivePool:
         if self.memory is PoolMemory.HOST:
             import numpy as np  # noqa: PLC0415
 
-            raw = np.empty(nbytes + 4096, dtype=np.uint8)
-            start = (-raw.ctypes.data) % 4096
+            raw = np.empty(nbytes + HUGE_PAGE, dtype=np.uint8)
+            start = (-raw.ctypes.data) % HUGE_PAGE
             self.buffer: Any = raw[start:start + nbytes]
             # Touch every page now: a first write during a transfer would take
             # a page fault per 4 KiB and cut the receive rate several-fold.

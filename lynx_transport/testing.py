@@ -17,7 +17,7 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["pattern", "PeerFailed", "PeerProcess", "sender_server", "receiver_server",
+__all__ = ["pattern", "WRITTEN_ZEROS", "UNTOUCHED", "PeerFailed", "PeerProcess", "sender_server", "receiver_server",
            "prioritise_thread", "RawPeer", "RawDataPath"]
 
 
@@ -37,17 +37,31 @@ def prioritise_thread(nice: int = -10) -> int | None:
     return before
 
 
+#: :func:`pattern` seeds for zero payloads: every page written, or never written.
+WRITTEN_ZEROS = -1
+UNTOUCHED = -2
+HUGE_PAGE = 2 << 20
+
+
 def pattern(seed: int, nbytes: int) -> Any:
     """``nbytes`` reproducible pseudo-random bytes (NumPy ``uint8``) for ``seed``.
 
-    A negative seed gives zeros (cheap, for throughput runs that do not check
-    bytes); they are written, not ``np.zeros``' untouched pages, whose first
-    read by the peer (cma) would page-fault through the whole buffer.
+    A negative seed gives zeros, for throughput runs that do not check bytes:
+    ``WRITTEN_ZEROS`` (-1) writes every page, like real data; ``UNTOUCHED``
+    (-2) allocates and never writes, like ``ucx_perftest``'s buffers: a peer's
+    first read (cma) maps the kernel's shared zero page everywhere, and later
+    reads of that one cache-resident page copy faster than real memory.
     """
     import numpy as np  # noqa: PLC0415
 
     if seed < 0:
-        return np.full(nbytes, 0, dtype=np.uint8)
+        # calloc: fresh pages, never written; 2 MiB-aligned like a huge page
+        raw = np.zeros(nbytes + HUGE_PAGE, dtype=np.uint8)
+        start = (-raw.ctypes.data) % HUGE_PAGE
+        out = raw[start:start + nbytes]
+        if seed != UNTOUCHED:
+            out.fill(0)
+        return out
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
@@ -173,14 +187,14 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
             else stream.completed_at - stream.started_at,
         }
 
-    zeros: dict[int, Any] = {}  # seed < 0 buffers are reused: time the transfer, not malloc
+    zeros: dict[tuple[int, int], Any] = {}  # seed < 0 buffers are reused: time the transfer
 
     def data(seed: int, n: int) -> Any:
         if seed >= 0:
             return pattern(seed, n)
-        if n not in zeros:
-            zeros[n] = pattern(seed, n)
-        return zeros[n]
+        if (seed, n) not in zeros:
+            zeros[seed, n] = pattern(seed, n)
+        return zeros[seed, n]
 
     def start(specs: list, metadata: bytes) -> Any:
         buffers = [(name, data(seed, n), lane) for name, n, lane, seed in specs]

@@ -18,7 +18,7 @@ from lynx_transport.clock import MonotonicClock
 from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, decode_manifest, encode_manifest
 from lynx_transport.scheduler import PriorityScheduler
 from lynx_transport.shaper import Shaper
-from lynx_transport.testing import PeerProcess, sender_server
+from lynx_transport.testing import WRITTEN_ZEROS, PeerProcess, sender_server
 
 pytestmark = pytest.mark.bench
 
@@ -81,7 +81,7 @@ def loopback():
 
 def test_lynx_stream_64mib_loopback(benchmark, loopback) -> None:
     peer = loopback
-    specs = [("msg", 64 * MiB, Lane.RESIDUAL, -1)]
+    specs = [("msg", 64 * MiB, Lane.RESIDUAL, WRITTEN_ZEROS)]
     result = benchmark.pedantic(lambda: peer.call("send", specs, b"", 60.0), rounds=8,
                                 warmup_rounds=1)
     assert result["state"] == "completed"
@@ -101,5 +101,6 @@ def raw_ucxx():
 
 def test_baseline_raw_ucxx_64mib_loopback(benchmark, raw_ucxx) -> None:
     peer, sender = raw_ucxx
-    seconds = benchmark.pedantic(lambda: sender.send(peer), rounds=8, warmup_rounds=1)
+    seconds = benchmark.pedantic(lambda: sender.send(peer, WRITTEN_ZEROS), rounds=8,
+                                 warmup_rounds=1)
     assert seconds > 0
