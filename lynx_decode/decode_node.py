@@ -39,6 +39,8 @@ __all__ = ["DecodeNode", "RunResult"]
 log = logging.getLogger("lynx_decode.decode")
 
 DEFAULT_POOL_BYTES = 512 << 20
+#: Niceness added to the node's transport threads (``TransportConfig.thread_nice``).
+DEFAULT_THREAD_NICE = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +57,19 @@ class DecodeNode:
 
     ``host``: the address prefill nodes connect back to (127.0.0.1 unless the
     nodes sit in different network namespaces). ``pool_bytes``: the receive pool,
-    allocated once; it must hold one whole stream.
+    allocated once; it must hold one whole stream. ``thread_nice``: replaces
+    ``config.thread_nice`` (``None``: keep the config's); by default the
+    transport's threads run at +5 so residual bytes landing during a model step
+    do not preempt the model's threads.
     """
 
     def __init__(self, model: CausalLM, *, host: str = "127.0.0.1",
                  pool_bytes: int = DEFAULT_POOL_BYTES, config: TransportConfig | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, thread_nice: int | None = DEFAULT_THREAD_NICE) -> None:
         self.model = model
         self.timeout_s = timeout_s
+        if thread_nice is not None:
+            config = dataclasses.replace(config or TransportConfig(), thread_nice=thread_nice)
         self._transport_config = config
         self._pending: dict[str, cf.Future[KVAssembler]] = {}
         self._assemblers: dict[int, KVAssembler] = {}

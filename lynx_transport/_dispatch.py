@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from lynx_transport._threads import renice_current_thread
+
 __all__ = ["Dispatcher"]
 
 log = logging.getLogger("lynx_transport")
@@ -17,7 +19,8 @@ _STOP = object()
 class Dispatcher:
     """Runs posted calls on one dedicated thread; a raising callback is logged, not fatal."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, nice: int = 0) -> None:
+        self._nice = nice
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -27,6 +30,7 @@ class Dispatcher:
             self._queue.put((fn, args))
 
     def _run(self) -> None:
+        renice_current_thread(self._nice)
         while True:
             item = self._queue.get()
             if item is _STOP:

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lynx_transport._threads import renice_current_thread
 from lynx_transport._ucx import UcxWorker
 from lynx_transport.clock import Clock
 from lynx_transport.errors import ClosedError
@@ -52,9 +53,11 @@ class IoLoop:
     """Base class; subclasses implement :meth:`step` and :meth:`on_crash`."""
 
     def __init__(self, name: str, tls: str, clock: Clock,
-                 thread_init: Callable[[], None] | None = None, net_devices: str = "all") -> None:
+                 thread_init: Callable[[], None] | None = None, net_devices: str = "all",
+                 nice: int = 0) -> None:
         self.clock = clock
         self._thread_init = thread_init
+        self._nice = nice
         self.worker = UcxWorker(tls, net_devices)
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -161,6 +164,7 @@ class IoLoop:
 
     def _run(self) -> None:
         try:
+            renice_current_thread(self._nice)
             if self._thread_init is not None:
                 self._thread_init()
             last_progress = 0.0

@@ -71,7 +71,8 @@ class RxLoop(IoLoop):
         device = owner.pool.device
         init = None if device is None else (lambda: _ucx.ensure_cuda_context(device))
         super().__init__("lynx-rx-io", owner.config.ucx_tls, owner.clock, init,
-                         net_devices=owner.config.ucx_net_devices or _net_devices(owner.address[0]))
+                         net_devices=owner.config.ucx_net_devices or _net_devices(owner.address[0]),
+                         nice=owner.config.thread_nice)
         self.o = owner
         self.listen = listen
         self.conns: dict[int, _Conn] = {}

@@ -75,6 +75,14 @@ class TransportConfig:
         tagged receive got, so without this a sender that sends a short chunk
         would leave stale pool bytes counted as landed. Costs a CRC32 of
         every byte on both sides (host memory; device chunks are copied).
+    thread_nice:
+        Added to the niceness of the transport's own threads (the I/O thread
+        and the callback thread) when they start, like ``nice -n``. A positive
+        value needs no privilege and lets compute threads win the CPU on a
+        busy host; the decode node uses +5 so that residual bytes arriving
+        during a model step do not preempt the model's threads (measured on a
+        2-core box: first token at 4k tokens 0.326 -> 0.316 s, int4 0.30 s;
+        the residual landed ~10 ms later). Negative values need ``CAP_SYS_NICE``.
     pool_wait_s:
         Back-pressure: a stream that does not fit in the receive pool waits up
         to this long for released space before it is rejected
@@ -94,6 +102,7 @@ class TransportConfig:
     secret: bytes | None = dataclasses.field(default=None, repr=False)
     handshake_timeout_s: float = 5.0
     verify_chunks: bool = False
+    thread_nice: int = 0
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -113,6 +122,8 @@ class TransportConfig:
             raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if self.ucx_net_devices is not None and not self.ucx_net_devices:
             raise ValueError("ucx_net_devices must be None or a non-empty device list")
+        if not isinstance(self.thread_nice, int) or not -39 <= self.thread_nice <= 39:
+            raise ValueError(f"thread_nice must be an int in [-39, 39], got {self.thread_nice!r}")
         if not self.ucx_tls:
             raise ValueError("ucx_tls must not be empty")
         for lane, rate in self.lane_rates:

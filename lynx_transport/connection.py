@@ -75,7 +75,8 @@ class _TxStream:
 class _TxLoop(IoLoop):
     def __init__(self, owner: Connection, sock: socket.socket, address: bytes) -> None:
         super().__init__("lynx-tx-io", owner.config.ucx_tls, owner.clock,
-                         net_devices=owner.config.ucx_net_devices or "all")
+                         net_devices=owner.config.ucx_net_devices or "all",
+                         nice=owner.config.thread_nice)
         cfg = owner.config
         self.o = owner
         self.inflight: list[tuple[Any, Chunk, _TxStream]] = []

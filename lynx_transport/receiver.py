@@ -95,7 +95,7 @@ class Receiver:
             listen.close()
             raise TransportError(f"cannot listen on {host}:{port}: {exc}") from exc
         self._address: tuple[str, int] = listen.getsockname()[:2]
-        self._dispatch = Dispatcher("lynx-rx-callbacks")
+        self._dispatch = Dispatcher("lynx-rx-callbacks", self.config.thread_nice)
         try:
             self._loop = RxLoop(self, listen)
         except BaseException:

@@ -209,3 +209,29 @@ def test_regions_supplied_incrementally_arrive_in_supply_order(loopback) -> None
         assert np.array_equal(stream.view(name), pattern(seed, n))
     assert not rec.problems, rec.problems
     stream.release()
+
+
+def test_thread_nice_lowers_the_transports_own_threads_only() -> None:
+    import os
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    rx = Receiver(ReceivePool(1 << 20), config=TransportConfig(thread_nice=3))
+    try:
+        nice = {}
+        deadline = 50
+        while len(nice) < 2 and deadline:  # the threads renice themselves as they start
+            nice = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id)
+                    for t in threading.enumerate() if t.name in ("lynx-rx-io", "lynx-rx-callbacks")
+                    and os.getpriority(os.PRIO_PROCESS, t.native_id) != base}
+            deadline -= 1
+            threading.Event().wait(0.02)
+        assert nice == {"lynx-rx-io": min(19, base + 3), "lynx-rx-callbacks": min(19, base + 3)}
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's thread is untouched
+    finally:
+        rx.close()
+
+
+@pytest.mark.parametrize("bad", [40, -40, 1.5])
+def test_thread_nice_out_of_range_is_refused(bad) -> None:
+    with pytest.raises(ValueError, match="thread_nice"):
+        TransportConfig(thread_nice=bad)
