@@ -265,6 +265,17 @@ class KVAssembler:
         for future in (self._tokens_future, self.draft, self.full):
             if future is not None and not future.done():
                 future.set_exception(error)
+        for kv in (self._draft_kv, self._full_kv):
+            if kv is not None:
+                kv.abort(error)
+
+    def filling(self, drafting: bool) -> KVBuffers:
+        """The buffers the first decode step runs on while they fill (see
+        ``speculative.decode_events(early=...)``): the draft cache's when
+        ``drafting``, else the full cache's."""
+        kv = self._draft_kv if drafting else self._full_kv
+        assert kv is not None, "drafting needs a LYNX stream"
+        return kv
 
     def prompt_ids(self, timeout: float) -> tuple[int, ...]:
         """The prompt's token ids (all of them), once the ``tokens`` region landed."""

@@ -9,7 +9,11 @@ futures; all model calls happen in that one thread.
 Algorithm (prompt ``ids``; both caches cover ``ids[:-1]``, see
 :mod:`lynx_decode.model.protocol`):
 
-1. Wait until the draft or the full cache is ready (whichever first).
+1. Wait until the draft or the full cache is ready (whichever first). With
+   ``early`` (the buffers of the cache the first step runs on, still filling),
+   do not wait: the first step starts at once and waits inside each layer
+   for that layer's K/V (``KVBuffers.wait_layer``), so its compute overlaps
+   the transfer and only the last layers' work remains when the last bytes land.
 2. Draft cache first: run ``ids[-1]`` and then each drafted token through it,
    greedily, one at a time, emitting :class:`Tentative` events, until the full
    cache is ready, ``max_draft`` tokens were drafted, or EOS was drafted.
@@ -104,10 +108,11 @@ def ready(kv: KVBuffers) -> cf.Future[KVBuffers]:
 def generate(model: CausalLM, prompt_ids: Sequence[int], *, full: cf.Future[KVBuffers],
              draft: cf.Future[KVBuffers] | None = None, config: DecodeConfig = DecodeConfig(),
              t0: float, clock: Callable[[], float] = time.perf_counter,
-             on_event: Callable[[Event], None] | None = None) -> Generation:
+             on_event: Callable[[Event], None] | None = None,
+             early: KVBuffers | None = None) -> Generation:
     """Run :func:`decode_events` to the end, passing each event to ``on_event``."""
     for event in decode_events(model, prompt_ids, full=full, draft=draft, config=config,
-                               t0=t0, clock=clock):
+                               t0=t0, clock=clock, early=early):
         if on_event is not None:
             on_event(event)
         if isinstance(event, Done):
@@ -118,11 +123,15 @@ def generate(model: CausalLM, prompt_ids: Sequence[int], *, full: cf.Future[KVBu
 def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
                   full: cf.Future[KVBuffers], draft: cf.Future[KVBuffers] | None = None,
                   config: DecodeConfig = DecodeConfig(), t0: float,
-                  clock: Callable[[], float] = time.perf_counter) -> Iterator[Event]:
+                  clock: Callable[[], float] = time.perf_counter,
+                  early: KVBuffers | None = None) -> Iterator[Event]:
     """Greedy (speculative when ``draft`` is given) decoding as a stream of events.
 
     ``full`` resolves to the exact cache, ``draft`` to the anchor-only one; both
     must cover ``prompt_ids[:-1]``. ``t0`` is the caller's start on ``clock``.
+    ``early``: the buffers ``draft`` (when drafting) or else ``full`` will
+    resolve to, while they fill; the first step then starts at once and waits
+    per layer (whoever fills them must ``abort`` them if they never complete).
     Raises PromptError when the prompt plus ``max_new_tokens`` exceeds the context
     window, DecodeError when a future fails or times out, a cache does not match
     the prompt, or the model fails; events already yielded stay valid (committed
@@ -141,14 +150,24 @@ def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
     def since() -> float:
         return clock() - t0
 
-    first = _wait_first(full, draft, config.wait_timeout_s)
+    drafting = draft is not None and config.max_draft > 0
+    if early is None:
+        drafting = drafting and _wait_first(full, draft, config.wait_timeout_s) is draft
+
+    def filling(kv: KVBuffers) -> LMCache:  # the first step waits per layer
+        return _cache(model, kv, cached, lambda i: kv.wait_layer(i, config.wait_timeout_s))
+
     drafts: list[int] = []
     ttft: float | None = None
     draft_start: float | None = None
     dcache: LMCache | None = None
-    if first is draft and draft is not None and config.max_draft > 0:
+    first_logits: np.ndarray | None = None
+    fcache_early: LMCache | None = None
+    if drafting:
         draft_start = since()
-        dcache = _cache(model, _result(draft, "draft", 0.0), cached)
+        assert draft is not None
+        dcache = (filling(early) if early is not None
+                  else _cache(model, _result(draft, "draft", 0.0), cached))
         x = ids[-1]
         while len(drafts) < min(config.max_draft, n_max) and not full.done():
             x = int(np.argmax(_forward(model, dcache, [x])[-1]))
@@ -158,6 +177,10 @@ def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
             yield Tentative(x, len(drafts) - 1)
             if x in eos:
                 break
+
+    elif early is not None:  # plain greedy: the first token straight off the filling cache
+        fcache_early = filling(early)
+        first_logits = _forward(model, fcache_early, [ids[-1]])
 
     timeout = config.wait_timeout_s
     if dcache is not None and config.full_timeout_s is not None:
@@ -171,7 +194,7 @@ def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
                                       since, ttft, draft_start)
         return
     del dcache
-    fcache = _cache(model, fkv, cached)
+    fcache = fcache_early if fcache_early is not None else _cache(model, fkv, cached)
     full_ready = since()
     verify_s: float | None = None
     accepted = 0
@@ -185,6 +208,8 @@ def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
         commit = _truncate([*drafts[:accepted], preds[accepted]], eos, n_max)
         if accepted < len(drafts):
             yield Rollback(accepted, len(drafts) - accepted)
+    elif first_logits is not None:
+        commit = [int(np.argmax(first_logits[-1]))]
     else:
         commit = [int(np.argmax(_forward(model, fcache, [ids[-1]])[-1]))]
     ttfct = since()
@@ -260,11 +285,12 @@ def _result(future: cf.Future[KVBuffers], name: str, timeout: float) -> KVBuffer
     return kv
 
 
-def _cache(model: CausalLM, kv: KVBuffers, cached: int) -> LMCache:
+def _cache(model: CausalLM, kv: KVBuffers, cached: int,
+           wait: Callable[[int], None] | None = None) -> LMCache:
     if kv.shape.tokens != cached:
         raise DecodeError(f"the received cache covers {kv.shape.tokens} positions; the "
                           f"prompt needs {cached} (all prompt tokens but the last)")
-    return model.cache_from(kv)
+    return model.cache_from(kv) if wait is None else model.cache_from(kv, wait=wait)
 
 
 def _forward(model: CausalLM, cache: LMCache, tokens: list[int]) -> np.ndarray:

@@ -77,12 +77,15 @@ class TransportConfig:
         every byte on both sides (host memory; device chunks are copied).
     thread_nice:
         Added to the niceness of the transport's own threads (the I/O thread
-        and the callback thread) when they start, like ``nice -n``. A positive
-        value needs no privilege and lets compute threads win the CPU on a
-        busy host; the decode node uses +5 so that residual bytes arriving
-        during a model step do not preempt the model's threads (measured on a
-        2-core box: first token at 4k tokens 0.326 -> 0.316 s, int4 0.30 s;
-        the residual landed ~10 ms later). Negative values need ``CAP_SYS_NICE``.
+        and the callback thread) when they start, like ``nice -n``; 0 leaves
+        them alone. A positive value needs no privilege and lets other
+        threads win the CPU on a busy host, at the cost of the transport's
+        latency; negative values need ``CAP_SYS_NICE``. Measured on a 2-core
+        box (``lynx sweep``, 1 Gbit/s, 4k tokens): +5 on the decode node helped
+        the first token when the first model step began after the last anchor
+        (0.326 -> 0.316 s), and hurt once the step overlapped the transfer
+        (0.238 -> 0.249 s: anchor reception and dequantization are then on
+        the critical path), so the decode node keeps 0.
     pool_wait_s:
         Back-pressure: a stream that does not fit in the receive pool waits up
         to this long for released space before it is rejected

@@ -15,6 +15,7 @@ future provides the happens-before edge. The buffers themselves are not locked.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,7 +64,8 @@ class KVBuffers:
     block still is.
     """
 
-    __slots__ = ("shape", "headroom", "storage_keys", "storage_values", "_written")
+    __slots__ = ("shape", "headroom", "storage_keys", "storage_values", "_written", "_cond",
+                 "_error")
 
     def __init__(self, shape: KVShape, *, headroom: int = 0) -> None:
         if headroom < 0:
@@ -74,6 +76,8 @@ class KVBuffers:
         self.storage_keys = np.zeros(storage, np.float32)
         self.storage_values = np.zeros(storage, np.float32)
         self._written = np.zeros(shape.num_layers, dtype=bool)
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
 
     @classmethod
     def from_layers(cls, keys: Sequence[np.ndarray], values: Sequence[np.ndarray], *,
@@ -118,7 +122,7 @@ class KVBuffers:
             np.copyto(v_dst, values, casting="same_kind")
         except TypeError as exc:
             raise DecodeError(f"layer {index}: cannot store K/V as float32: {exc}") from exc
-        self._written[index] = True
+        self.mark_written(index)
 
     def prefault(self) -> KVBuffers:
         """Touch every page of the storage now (``np.zeros`` maps pages lazily, and the
@@ -130,12 +134,33 @@ class KVBuffers:
 
     def reset(self) -> None:
         """Mark every layer unwritten, to fill the same buffers again (no reallocation)."""
-        self._written[:] = False
+        with self._cond:
+            self._written[:] = False
+            self._error = None
 
     def mark_written(self, index: int) -> None:
         """Record that layer ``index`` was filled in place through :meth:`layer`."""
         self._check_index(index)
-        self._written[index] = True
+        with self._cond:
+            self._written[index] = True
+            self._cond.notify_all()
+
+    def abort(self, error: BaseException) -> None:
+        """The missing layers will never come: wake :meth:`wait_layer` with ``error``."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def wait_layer(self, index: int, timeout: float) -> None:
+        """Block until layer ``index`` is written (at most ``timeout`` s). Raises
+        DecodeError on timeout or after :meth:`abort` (chained to its error)."""
+        self._check_index(index)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._written[index] or self._error is not None,
+                                       timeout):
+                raise DecodeError(f"KV layer {index} did not arrive within {timeout} s")
+            if not self._written[index]:
+                raise DecodeError(f"KV layer {index} will not arrive: {self._error}") from self._error
 
     @property
     def complete(self) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +142,8 @@ class HFCausalLM:
             kv.mark_written(i)
         return Prefill(tuple(ids), kv, time.perf_counter() - start)
 
-    def cache_from(self, kv: KVBuffers) -> SlabCache:
+    def cache_from(self, kv: KVBuffers, *,
+                   wait: Callable[[int], None] | None = None) -> SlabCache:
         shape, info = kv.shape, self._info
         if (shape.num_layers, shape.kv_heads, shape.head_dim) != (
                 info.num_layers, info.kv_heads, info.head_dim):
@@ -153,9 +154,9 @@ class HFCausalLM:
         if shape.tokens > info.max_positions:
             raise PromptError(f"the cache holds {shape.tokens} positions; the model's "
                               f"context window is {info.max_positions}")
-        if not kv.complete:
+        if wait is None and not kv.complete:
             raise DecodeError(f"KV layers {kv.missing_layers()} have not been written")
-        return SlabCache(kv, length=shape.tokens)
+        return SlabCache(kv, length=shape.tokens, wait=wait)
 
     def forward(self, cache: SlabCache, token_ids: Sequence[int]) -> np.ndarray:  # type: ignore[override]
         if not isinstance(cache, SlabCache):
@@ -198,14 +199,16 @@ class HFCausalLM:
 class SlabCache:
     """A transformers cache whose layers are views over preallocated slabs."""
 
-    def __init__(self, kv: KVBuffers, *, length: int) -> None:
+    def __init__(self, kv: KVBuffers, *, length: int,
+                 wait: Callable[[int], None] | None = None) -> None:
         import torch  # noqa: PLC0415
         from transformers import DynamicCache  # noqa: PLC0415
 
         self.hf_cache = DynamicCache()
         self.hf_cache.layers = [
             _slab_layer_class()(torch.from_numpy(kv.storage_keys[i])[None],
-                                torch.from_numpy(kv.storage_values[i])[None], length)
+                                torch.from_numpy(kv.storage_values[i])[None], length,
+                                None if wait is None else functools.partial(wait, i))
             for i in range(kv.shape.num_layers)]
         self._layers = self.hf_cache.layers
 
@@ -233,8 +236,10 @@ def _slab_layer_class() -> type:
     from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
 
     class _SlabLayer(DynamicLayer):  # type: ignore[misc, valid-type]
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
+                     wait: Callable[[], None] | None = None) -> None:
             super().__init__()
+            self.lynx_wait = wait  # called once, when attention first needs this layer's cache
             self.k_slab, self.v_slab = keys, values
             self.device = keys.device
             self.is_initialized = True
@@ -248,6 +253,9 @@ def _slab_layer_class() -> type:
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                    *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.lynx_wait is not None:
+                wait, self.lynx_wait = self.lynx_wait, None
+                wait()
             end = self.length + key_states.shape[-2]
             if end > self.k_slab.shape[-2]:
                 self._grow(end + max(GROWTH, end // 8))

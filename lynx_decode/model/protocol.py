@@ -13,7 +13,7 @@ verification depends on it; see DESIGN.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -92,9 +92,13 @@ class CausalLM(Protocol):
         more than ``info.max_positions`` tokens, or ids outside the vocabulary."""
         ...
 
-    def cache_from(self, kv: KVBuffers) -> LMCache:
+    def cache_from(self, kv: KVBuffers, *,
+                   wait: Callable[[int], None] | None = None) -> LMCache:
         """A model cache over ``kv`` (no copy; ``kv`` is never written). Raises
-        DecodeError if a layer is missing or the shape does not match the model."""
+        DecodeError if the shape does not match the model, or, without ``wait``,
+        if a layer is missing. With ``wait``, ``kv`` may still be filling:
+        ``wait(i)`` is called (once) before layer ``i``'s cache is first used, so
+        a forward pass can start while later layers are still arriving."""
         ...
 
     def forward(self, cache: LMCache, token_ids: Sequence[int]) -> np.ndarray:

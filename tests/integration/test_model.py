@@ -85,6 +85,36 @@ def test_prefill_covers_all_but_the_last_token(model: HFCausalLM, ids: list[int]
     assert int(logits[0].argmax()) == int(ref.argmax())
 
 
+def test_first_step_on_a_filling_cache_waits_per_layer_and_equals_the_filled_one(
+        model: HFCausalLM, ids: list[int], prefill) -> None:  # noqa: ANN001
+    import threading
+    import time
+
+    filling = KVBuffers(prefill.kv.shape)
+    waited: list[tuple[int, bool]] = []
+
+    def wait(i: int) -> None:
+        waited.append((i, bool(filling.missing_layers())))
+        filling.wait_layer(i, 30.0)
+
+    def land() -> None:  # layers arrive one by one, as from the transport
+        for i in range(prefill.kv.shape.num_layers):
+            time.sleep(0.005)
+            filling.write_layer(i, prefill.kv.keys[i], prefill.kv.values[i])
+
+    cache = model.cache_from(filling, wait=wait)  # before any layer is in
+    thread = threading.Thread(target=land)
+    thread.start()
+    logits = model.forward(cache, [ids[-1]])
+    thread.join()
+    assert [i for i, _ in waited] == list(range(prefill.kv.shape.num_layers))
+    assert waited[0][1]  # the pass started while layers were still missing
+    ref = model.forward(model.cache_from(prefill.kv), [ids[-1]])
+    np.testing.assert_array_equal(logits, ref)
+    with pytest.raises(DecodeError, match="have not been written"):
+        model.cache_from(KVBuffers(prefill.kv.shape))  # without wait: complete or refused
+
+
 def test_imported_cache_equals_exported_and_is_never_written(model: HFCausalLM,
                                                             ids: list[int], prefill) -> None:  # noqa: ANN001
     copy = KVBuffers.from_layers(list(prefill.kv.keys), list(prefill.kv.values), headroom=4)

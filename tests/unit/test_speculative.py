@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -39,6 +39,7 @@ class Clock:
 class ToyCache:
     def __init__(self, values: list[float]) -> None:
         self.values = values
+        self.pending: tuple[KVBuffers, Callable[[int], None] | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,12 +68,19 @@ class ToyLM:
                                    [np.zeros((1, len(token_ids) - 1, 1), np.float32)])
         return Prefill(tuple(token_ids), kv, 0.0)
 
-    def cache_from(self, kv: KVBuffers) -> ToyCache:
-        if not kv.complete:
+    def cache_from(self, kv: KVBuffers, *, wait: Callable[[int], None] | None = None) -> ToyCache:
+        if wait is None and not kv.complete:
             raise DecodeError("incomplete")
-        return ToyCache([float(x) for x in kv.keys[0, 0, :, 0]])
+        cache = ToyCache([])
+        cache.pending = (kv, wait)
+        return cache
 
     def forward(self, cache: ToyCache, token_ids: Sequence[int]) -> np.ndarray:
+        if cache.pending is not None:  # the one layer's cache is first used here
+            (kv, wait), cache.pending = cache.pending, None
+            if wait is not None:
+                wait(0)
+            cache.values = [float(x) for x in kv.keys[0, 0, :, 0]]
         self.calls.append(len(token_ids))
         if self.clock is not None:
             self.clock.now += STEP_S
@@ -422,3 +430,68 @@ def test_missing_residual_fails_by_default_within_the_bound(fail_after) -> None:
     model = ToyLM(eos=False)
     with pytest.raises(DecodeError, match="full KV cache (failed|did not arrive within 0.05 s)"):
         _never_arriving_full(model, list(range(1, 30)), MissingFull.FAIL, fail_after)
+
+
+def _filled_later(kv: KVBuffers, future: cf.Future, delay: float) -> tuple[KVBuffers, threading.Thread]:
+    """Empty buffers of ``kv``'s shape that another thread fills after ``delay`` s,
+    then resolves ``future`` with (like the transport's assembler)."""
+    out = KVBuffers(kv.shape)
+
+    def fill() -> None:
+        threading.Event().wait(delay)
+        out.write_layer(0, kv.keys[0], kv.values[0])
+        future.set_result(out)
+
+    thread = threading.Thread(target=fill)
+    thread.start()
+    return out, thread
+
+
+class RecordsFirstStep(ToyLM):
+    """Records whether the cache a forward pass starts on was still filling."""
+
+    def __init__(self) -> None:
+        super().__init__(eos=False)
+        self.started_unfilled: list[bool] = []
+
+    def forward(self, cache: ToyCache, token_ids: Sequence[int]) -> np.ndarray:
+        if cache.pending is not None:
+            self.started_unfilled.append(not cache.pending[0].complete)
+        return super().forward(cache, token_ids)
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_early_first_step_starts_before_the_cache_lands_and_decodes_the_same(speculative) -> None:
+    model = RecordsFirstStep()
+    ids = [5, 9, 30, 2, 17, 8]
+    kv = model.prefill(ids).kv
+    expected = greedy_reference(model, ids, kv, 10)
+    # speculative: the residual lands when the engine waits for it, after drafting
+    full: cf.Future = LandsWhenAwaited(kv) if speculative else cf.Future()
+    draft: cf.Future | None = cf.Future() if speculative else None
+    filling, thread = _filled_later(offset(kv, 0.0) if speculative else kv,
+                                    draft if speculative else full, 0.2)
+    model.started_unfilled.clear()
+    events = list(decode_events(model, ids, full=full, draft=draft,
+                                config=DecodeConfig(max_new_tokens=10), t0=0.0, early=filling))
+    thread.join()
+    assert model.started_unfilled[0]  # the first step began before its cache landed
+    check_events(events, expected)
+    assert any(isinstance(e, Tentative) for e in events) == speculative
+
+
+def test_early_first_step_fails_cleanly_when_the_cache_never_lands() -> None:
+    model = ToyLM(eos=False)
+    ids = [5, 9, 30, 2]
+    kv = model.prefill(ids).kv
+    filling = KVBuffers(kv.shape)
+    full: cf.Future = cf.Future()
+    threading.Timer(0.05, filling.abort, (DecodeError("stream failed"),)).start()
+    with pytest.raises(DecodeError, match="will not arrive: stream failed"):
+        list(decode_events(model, ids, full=full, config=DecodeConfig(max_new_tokens=4),
+                           t0=0.0, early=filling))
+    filling2 = KVBuffers(kv.shape)
+    with pytest.raises(DecodeError, match="did not arrive within"):
+        list(decode_events(model, ids, full=cf.Future(),
+                           config=DecodeConfig(max_new_tokens=4, wait_timeout_s=0.05),
+                           t0=0.0, early=filling2))
