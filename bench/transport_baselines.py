@@ -51,10 +51,10 @@ def raw_ucxx_receiver(pipe: Pipe, nbytes: int, tls: str) -> None:
     from ucxx._lib.arr import Array  # noqa: PLC0415
 
     lib, ctx, worker = _worker(tls)
-    from lynx_transport.testing import WRITTEN_ZEROS, pattern  # noqa: PLC0415
+    from lynx_transport.pool import host_buffer  # noqa: PLC0415
 
-    buf = pattern(WRITTEN_ZEROS, nbytes)  # written, 2 MiB-aligned, like a Lynx pool
-    buf.fill(255)
+    buf = host_buffer(nbytes, touch=False)  # 2 MiB-aligned like a Lynx pool ...
+    buf.fill(255)  # ... and written once, here
     pipe.send(("ok", bytes(worker.address)))
     while True:
         request = pipe.recv()

@@ -20,7 +20,24 @@ from lynx_transport.errors import BackendError, PoolExhaustedError
 __all__ = ["PoolMemory", "ReceivePool"]
 
 ALIGNMENT = 256
-HUGE_PAGE = 2 << 20  # host pools start on a 2 MiB boundary, so THP can back all of them
+HUGE_PAGE = 2 << 20  # host buffers start on a 2 MiB boundary, so THP can back all of them
+
+
+def host_buffer(nbytes: int, *, touch: bool) -> Any:
+    """``nbytes`` zero bytes of host memory (NumPy ``uint8``) starting on a 2 MiB boundary.
+
+    ``touch``: write every page now, so later writes (a transfer landing) take no
+    first-touch page faults. Without it the pages are never written (calloc'd):
+    reads map the kernel's shared zero page, like ``ucx_perftest``'s buffers.
+    """
+    import numpy as np  # noqa: PLC0415
+
+    raw = np.zeros(nbytes + HUGE_PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % HUGE_PAGE
+    out = raw[start:start + nbytes]
+    if touch:
+        out.fill(0)
+    return out
 
 
 class PoolMemory(enum.Enum):
@@ -55,14 +72,9 @@ class ReceivePool:
         #: CUDA device id of a CUDA pool (``None`` for host memory).
         self.device: int | None = None
         if self.memory is PoolMemory.HOST:
-            import numpy as np  # noqa: PLC0415
-
-            raw = np.empty(nbytes + HUGE_PAGE, dtype=np.uint8)
-            start = (-raw.ctypes.data) % HUGE_PAGE
-            self.buffer: Any = raw[start:start + nbytes]
             # Touch every page now: a first write during a transfer would take
             # a page fault per 4 KiB and cut the receive rate several-fold.
-            self.buffer.fill(0)
+            self.buffer: Any = host_buffer(nbytes, touch=True)
             self._base = int(self.buffer.ctypes.data)
         else:
             try:

@@ -17,8 +17,10 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["pattern", "WRITTEN_ZEROS", "UNTOUCHED", "PeerFailed", "PeerProcess", "sender_server", "receiver_server",
-           "prioritise_thread", "RawPeer", "RawDataPath"]
+from lynx_transport.pool import host_buffer
+
+__all__ = ["pattern", "WRITTEN_ZEROS", "UNTOUCHED", "PeerFailed", "PeerProcess", "sender_server",
+           "receiver_server", "prioritise_thread", "RawPeer", "RawDataPath"]
 
 
 def prioritise_thread(nice: int = -10) -> int | None:
@@ -40,7 +42,6 @@ def prioritise_thread(nice: int = -10) -> int | None:
 #: :func:`pattern` seeds for zero payloads: every page written, or never written.
 WRITTEN_ZEROS = -1
 UNTOUCHED = -2
-HUGE_PAGE = 2 << 20
 
 
 def pattern(seed: int, nbytes: int) -> Any:
@@ -55,13 +56,7 @@ def pattern(seed: int, nbytes: int) -> Any:
     import numpy as np  # noqa: PLC0415
 
     if seed < 0:
-        # calloc: fresh pages, never written; 2 MiB-aligned like a huge page
-        raw = np.zeros(nbytes + HUGE_PAGE, dtype=np.uint8)
-        start = (-raw.ctypes.data) % HUGE_PAGE
-        out = raw[start:start + nbytes]
-        if seed != UNTOUCHED:
-            out.fill(0)
-        return out
+        return host_buffer(nbytes, touch=seed != UNTOUCHED)
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
