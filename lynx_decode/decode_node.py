@@ -57,23 +57,14 @@ class DecodeNode:
 
     ``host``: the address prefill nodes connect back to (127.0.0.1 unless the
     nodes sit in different network namespaces). ``pool_bytes``: the receive pool,
-    allocated once; it must hold one whole stream. ``thread_nice``: replaces
-    ``config.thread_nice`` (``None``: keep the config's, 0 by default). The
-    transport's threads receive and dequantize the anchors the first model step
-    waits for layer by layer, so they are on the critical path: at +5 the
-    first token came later (``lynx sweep`` headline: 0.238 -> 0.249 s).
-
-    The first step starts as soon as the stream opens and waits inside each
-    layer for that layer's K/V, so its compute overlaps the transfer.
+    allocated once; it must hold one whole stream.
     """
 
     def __init__(self, model: CausalLM, *, host: str = "127.0.0.1",
                  pool_bytes: int = DEFAULT_POOL_BYTES, config: TransportConfig | None = None,
-                 timeout_s: float = 120.0, thread_nice: int | None = None) -> None:
+                 timeout_s: float = 120.0) -> None:
         self.model = model
         self.timeout_s = timeout_s
-        if thread_nice is not None:
-            config = dataclasses.replace(config or TransportConfig(), thread_nice=thread_nice)
         self._transport_config = config
         self._pending: dict[str, cf.Future[KVAssembler]] = {}
         self._assemblers: dict[int, KVAssembler] = {}

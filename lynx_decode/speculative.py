@@ -290,7 +290,7 @@ def _cache(model: CausalLM, kv: KVBuffers, cached: int,
     if kv.shape.tokens != cached:
         raise DecodeError(f"the received cache covers {kv.shape.tokens} positions; the "
                           f"prompt needs {cached} (all prompt tokens but the last)")
-    return model.cache_from(kv) if wait is None else model.cache_from(kv, wait=wait)
+    return model.cache_from(kv, wait=wait)
 
 
 def _forward(model: CausalLM, cache: LMCache, tokens: list[int]) -> np.ndarray:
