@@ -9,18 +9,58 @@ child is never a silent hang.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
+import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lynx_transport.pool import host_buffer
 
 __all__ = ["pattern", "WRITTEN_ZEROS", "UNTOUCHED", "PeerFailed", "PeerProcess", "sender_server",
-           "receiver_server", "prioritise_thread", "RawPeer", "RawDataPath"]
+           "receiver_server", "prioritise_thread", "RawPeer", "RawDataPath", "wait_until",
+           "fake_receiver"]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Probe ``predicate`` every 5 ms; False if it is still false after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)  # probe
+    return True
+
+
+@contextlib.contextmanager
+def fake_receiver(worker_address: bytes) -> Iterator[tuple[str, int]]:
+    """A control-channel listener that answers the first HELLO with a WELCOME
+    carrying ``worker_address`` (a hostile or broken receiver); yields its address."""
+    from lynx_transport.wire import FrameType, encode_frame, pack_welcome  # noqa: PLC0415
+
+    with socket.socket() as fake:
+        fake.bind(("127.0.0.1", 0))
+        fake.listen()
+
+        def serve() -> None:
+            conn, _ = fake.accept()
+            with conn:
+                conn.recv(100)
+                conn.sendall(encode_frame(FrameType.WELCOME, pack_welcome(worker_address, 0.0, 0)))
+                conn.recv(100)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            yield fake.getsockname()
+        finally:
+            t.join(10)
 
 
 def prioritise_thread(nice: int = -10) -> int | None:
@@ -309,8 +349,6 @@ class RawPeer:
     """
 
     def __init__(self, address: tuple[str, int], timeout: float = 5.0) -> None:
-        import socket  # noqa: PLC0415
-
         from lynx_transport.wire import FrameDecoder  # noqa: PLC0415
 
         self.sock = socket.create_connection(address, timeout=timeout)

@@ -16,7 +16,6 @@ import os
 import random
 import struct
 import threading
-import time
 
 import numpy as np
 import psutil
@@ -25,7 +24,7 @@ import pytest
 from lynx_transport import _ucx
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig
 from lynx_transport.errors import LynxError
-from lynx_transport.testing import PeerProcess, RawPeer, pattern, sender_server
+from lynx_transport.testing import PeerProcess, RawPeer, pattern, sender_server, wait_until
 from lynx_transport.wire import FrameType
 
 pytestmark = [pytest.mark.ucx, pytest.mark.slow]
@@ -50,15 +49,6 @@ def spawn(rx: Receiver) -> PeerProcess:
     peer = PeerProcess(sender_server, rx.address, CONFIG)
     assert peer.reply(60) == "connected"
     return peer
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)  # probe
-    return True
 
 
 def test_soak_1000_streams_with_faults(record_property) -> None:

@@ -26,6 +26,8 @@ from lynx_decode.events import Committed, Done, Event, Rollback, Tentative
 from lynx_decode.model import HFCausalLM, KVBuffers, Prefill
 from lynx_decode.speculative import DecodeConfig, decode_events, generate, ready
 
+from tests._speculative_helpers import LandsWhenAwaited
+
 from .test_model import TEXT, load_model
 
 pytestmark = pytest.mark.model
@@ -64,20 +66,6 @@ def copy_kv(kv: KVBuffers, transform=lambda layer, k, v: (k, v)) -> KVBuffers:  
         k, v = transform(i, kv.keys[i], kv.values[i])
         out.write_layer(i, k, v)
     return out
-
-
-class LandsWhenAwaited(cf.Future):  # type: ignore[type-arg]
-    """A full-cache future that resolves at the latest when the engine blocks on
-    it (drafting stopped early: max_draft reached or EOS drafted)."""
-
-    def __init__(self, kv: KVBuffers) -> None:
-        super().__init__()
-        self.kv = kv
-
-    def result(self, timeout: float | None = None) -> KVBuffers:
-        if not self.done():
-            self.set_result(self.kv)
-        return super().result(timeout)
 
 
 def run_speculative(model: HFCausalLM, ids: list[int], full_kv: KVBuffers,

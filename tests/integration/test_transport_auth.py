@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 
 import numpy as np
 import pytest
 
 from lynx_transport import Lane, ReceivePool, Receiver, TransportConfig, connect
 from lynx_transport.errors import AuthenticationError, TransportTimeoutError
-from lynx_transport.testing import RawPeer, pattern
-from lynx_transport.wire import (FrameType, HelloFlags, encode_frame, pack_hello,
-                                 pack_welcome, unpack_challenge)
+from lynx_transport.testing import RawPeer, fake_receiver, pattern
+from lynx_transport.wire import FrameType, HelloFlags, encode_frame, pack_hello, unpack_challenge
 
 pytestmark = pytest.mark.ucx
 
@@ -113,20 +110,7 @@ def test_a_silent_unauthenticated_peer_is_dropped_after_the_handshake_timeout() 
 
 def test_a_sender_with_a_secret_refuses_a_receiver_that_cannot_prove_it() -> None:
     """The sender never hands an unauthenticated worker address to UCX."""
-    with socket.socket() as fake:
-        fake.bind(("127.0.0.1", 0))
-        fake.listen()
-
-        def serve() -> None:
-            conn, _ = fake.accept()
-            with conn:
-                conn.recv(100)
-                # a garbage address: UCX would abort the process if it were used
-                conn.sendall(encode_frame(FrameType.WELCOME, pack_welcome(b"\x0f" * 64, 0.0, 0)))
-                conn.recv(100)
-
-        t = threading.Thread(target=serve)
-        t.start()
+    # a garbage address: UCX would abort the process if it were used
+    with fake_receiver(b"\x0f" * 64) as address:
         with pytest.raises(AuthenticationError, match="did not authenticate"):
-            connect(fake.getsockname(), timeout=5, config=TransportConfig(secret=SECRET))
-        t.join(10)
+            connect(address, timeout=5, config=TransportConfig(secret=SECRET))

@@ -20,7 +20,7 @@ import pytest
 
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
 from lynx_transport.errors import ClosedError, PeerDisconnectedError
-from lynx_transport.testing import PeerProcess, pattern, sender_server
+from lynx_transport.testing import PeerProcess, pattern, sender_server, wait_until
 
 pytestmark = pytest.mark.ucx
 
@@ -109,15 +109,6 @@ def next_stream_works(rx: Receiver) -> None:
         s.wait(10)
         assert np.array_equal(nxt.view("a"), data)
         nxt.release()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)  # probe
-    return True
 
 
 @pytest.mark.parametrize("run", [1, 2, 3])

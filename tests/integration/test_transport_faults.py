@@ -16,7 +16,8 @@ from lynx_transport.errors import (ClosedError, ConnectError, PeerDisconnectedEr
                                    StreamCancelledError)
 from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
 from lynx_transport.shaper import Rate
-from lynx_transport.testing import PeerProcess, pattern, receiver_server, sender_server
+from lynx_transport.testing import (PeerProcess, fake_receiver, pattern, receiver_server,
+                                    sender_server)
 from lynx_transport.wire import (FrameDecoder, FrameType, RejectReason, encode_frame,
                                  unpack_stream_text, unpack_stream_token)
 
@@ -287,22 +288,7 @@ def test_close_leaves_no_threads_or_file_descriptors_behind() -> None:
 
 
 def test_a_welcome_with_a_garbage_worker_address_is_a_connect_error() -> None:
-    from lynx_transport.wire import pack_welcome
-
-    with socket.socket() as fake:
-        fake.bind(("127.0.0.1", 0))
-        fake.listen()
-
-        def serve() -> None:
-            conn, _ = fake.accept()
-            with conn:
-                conn.recv(100)
-                conn.sendall(encode_frame(FrameType.WELCOME, pack_welcome(b"garbage", 0.0, 0)))
-                conn.recv(100)
-
-        t = threading.Thread(target=serve)
-        t.start()
+    with fake_receiver(b"garbage") as address:
         with pytest.raises(ConnectError, match="malformed"):
-            connect(fake.getsockname(), timeout=5)
-        t.join(10)
+            connect(address, timeout=5)
     assert _lynx_threads() == []

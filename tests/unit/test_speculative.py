@@ -22,6 +22,7 @@ from lynx_decode.events import Committed, Done, Event, Rollback, Tentative
 from lynx_decode.model import KVBuffers, KVShape, ModelInfo, Prefill
 from lynx_decode.speculative import DecodeConfig, decode_events, generate, ready
 from lynx_transport.errors import DecodeError, PromptError
+from tests._speculative_helpers import LandsWhenAwaited
 
 VOCAB = 40
 EOS = 0
@@ -110,20 +111,6 @@ def offset(kv: KVBuffers, delta: float) -> KVBuffers:
     out = KVBuffers(kv.shape)
     out.write_layer(0, kv.keys[0] + np.float32(delta), kv.values[0])
     return out
-
-
-class LandsWhenAwaited(cf.Future):  # type: ignore[type-arg]
-    """A full-cache future whose residual "lands" at the latest when the engine
-    blocks on it (after drafting stopped for another reason: max_draft, EOS)."""
-
-    def __init__(self, kv: KVBuffers) -> None:
-        super().__init__()
-        self.kv = kv
-
-    def result(self, timeout: float | None = None) -> KVBuffers:
-        if not self.done():
-            self.set_result(self.kv)
-        return super().result(timeout)
 
 
 def drive(model: ToyLM, ids: list[int], full_kv: KVBuffers, draft_kv: KVBuffers | None,
