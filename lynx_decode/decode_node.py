@@ -166,7 +166,7 @@ class DecodeNode:
             max_new_tokens: int = 32, anchor_bits: int = 4, kind: PromptKind = "text",
             bandwidth_gbps: float | None = None, max_draft: int = DEFAULT_MAX_DRAFT,
             on_missing_residual: MissingFull = MissingFull.FAIL,
-            residual_timeout_s: float | None = None,
+            residual_timeout_s: float | None = None, hold_residual: bool = True,
             on_event: Callable[[Event], None] | None = None) -> RunResult:
         """Request ``prompt``'s cache from ``server`` and decode ``max_new_tokens`` tokens.
 
@@ -179,6 +179,11 @@ class DecodeNode:
         ``residual_timeout_s`` passed once drafting started): ``MissingFull.FAIL``
         raises; ``MissingFull.UNVERIFIED`` finishes on the anchors and returns the
         tokens with ``metrics["verified"] = False`` (events: ``Unverified``).
+
+        ``hold_residual`` (LYNX with drafting): the prefill node sends the
+        residual lane only once this node drafted its first token, so the
+        residual's reception does not compete with the first model step for
+        the CPU; it costs the link only the time of that step's last layers.
         """
         request_id = uuid.uuid4().hex
         if isinstance(prompt, str):
@@ -191,7 +196,9 @@ class DecodeNode:
                                   f"tokens it exceeds the model's context window of {limit}")
             payload = np.asarray(prompt, dtype="<i4").tobytes()
             self.prepare(len(prompt), max_new_tokens=max_new_tokens, max_draft=max_draft)
-        request = KVRequest(request_id, scheme, anchor_bits, kind, self.address, bandwidth_gbps)
+        hold = hold_residual and scheme is Scheme.LYNX and max_draft > 0
+        request = KVRequest(request_id, scheme, anchor_bits, kind, self.address, bandwidth_gbps,
+                            hold_residual=hold)
         self._headroom = max_new_tokens + max_draft + 2
         future: cf.Future[KVAssembler] = cf.Future()
         with self._lock:
@@ -210,7 +217,9 @@ class DecodeNode:
         def events(event: Event) -> None:
             if isinstance(event, Tentative) and not first_token:
                 first_token.append(time.time())
-                assembler.open_full_gate()  # the first token is out: rebuild the exact cache
+                if hold:  # the first token is out: let the residual come ...
+                    _release_residual(stream, self.timeout_s)
+                assembler.open_full_gate()  # ... and rebuild the exact cache as it lands
             if on_event is not None:
                 on_event(event)
 
@@ -261,6 +270,13 @@ def _result(future: cf.Future[KVAssembler], timeout: float, what: str) -> KVAsse
         raise DecodeError(f"{what} within {timeout} s") from None
 
 
+def _release_residual(stream: ReceiveStream, timeout: float) -> None:
+    try:
+        stream.release_lane(Lane.RESIDUAL, timeout)
+    except TransportError as exc:  # the stream fails on its own; the run reports that
+        log.warning("could not release the residual of stream %d: %s", stream.stream_id, exc)
+
+
 def _request_id_of(stream: ReceiveStream) -> str | None:
     try:
         return KVHeader.from_metadata(stream.metadata).request_id
@@ -286,6 +302,9 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
         "full_ready_s": (assembler.timings["full_ready"] - t0
                          if "full_ready" in assembler.timings else None),
         "first_tentative_s": first_token[0] - t0 if first_token else None,
+        # the engine: when it took the full cache (after its draft step in progress)
+        # and how long the one verification pass took
+        "full_taken_s": m.full_ready_s, "verify_s": m.verify_s,
     }
     for lane, name in lanes.items():
         out[f"bytes_{name}"] = sum(r.nbytes for r in assembler.stream.regions if r.lane == lane)

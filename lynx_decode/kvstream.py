@@ -173,18 +173,23 @@ def warm_up_codec(bits: int = 4) -> None:
 
 
 def send_cache(conn: Connection, prefill: Prefill, model_id: str, config: CodecConfig, *,
-               request_id: str, t0_unix: float, timeout: float = 10.0) -> tuple[SendStream, list[Any]]:
+               request_id: str, t0_unix: float, timeout: float = 10.0,
+               hold_residual: bool = False) -> tuple[SendStream, list[Any]]:
     """Announce, encode and supply a prefilled cache on ``conn``.
 
     Returns the stream (wait on it for the receiver's confirmation) and the
     encoded buffers, which must stay alive until the stream is done.
+    ``hold_residual``: the residual lane waits for the receiver's
+    ``release_lane`` (LYNX; ignored for schemes without a residual).
     """
     kv = prefill.kv
     shape = kv.shape
     layer = LayerLayout.build(config, shape.kv_heads, shape.tokens, shape.head_dim)
     header = KVHeader(request_id, model_id, config.scheme, len(prefill.token_ids), t0_unix,
                       CacheLayout.of([layer] * shape.num_layers))
-    stream = conn.open_stream(header.regions(), metadata=header.to_metadata(), timeout=timeout)
+    hold = (Lane.RESIDUAL,) if hold_residual and config.scheme is Scheme.LYNX else ()
+    stream = conn.open_stream(header.regions(), metadata=header.to_metadata(), timeout=timeout,
+                              hold=hold)
     keep: list[Any] = [np.asarray(prefill.token_ids, dtype=np.int32)]
     held: list[tuple[str, Any]] = []
     try:

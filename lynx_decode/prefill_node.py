@@ -121,7 +121,8 @@ class PrefillNode:
         codec = CodecConfig(scheme=request.scheme, bits=request.anchor_bits
                             if request.scheme is Scheme.LYNX else CodecConfig().bits)
         stream, keep = send_cache(conn, prefill, self.model.info.model_id, codec,
-                                  request_id=request.request_id, t0_unix=t0)
+                                  request_id=request.request_id, t0_unix=t0,
+                                  hold_residual=request.hold_residual)
         try:
             stream.wait(timeout=self.stream_timeout_s)
         except TransportError:

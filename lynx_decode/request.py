@@ -37,7 +37,10 @@ class KVRequest:
     ``kind``: ``"text"`` (tokenized as is), ``"chat"`` (wrapped in the model's chat
     template as one user message) or ``"ids"`` (int32 token ids).
     ``bandwidth_gbps``: the sender holds this stream's link to that rate (None:
-    unshaped).
+    unshaped). ``hold_residual``: the prefill node sends the residual lane only
+    once the decode node releases it (``ReceiveStream.release_lane``), so that the
+    residual's transfer does not compete with the first model step for the
+    decode node's CPU (LYNX only; the decode node releases it on its first token).
     """
 
     request_id: str
@@ -46,6 +49,7 @@ class KVRequest:
     kind: PromptKind
     reply_to: tuple[str, int]
     bandwidth_gbps: float | None = None
+    hold_residual: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -61,7 +65,8 @@ class KVRequest:
                            "request_id": self.request_id, "scheme": self.scheme.value,
                            "anchor_bits": self.anchor_bits, "kind": self.kind,
                            "reply_to": list(self.reply_to),
-                           "bandwidth_gbps": self.bandwidth_gbps}).encode()
+                           "bandwidth_gbps": self.bandwidth_gbps,
+                           "hold_residual": self.hold_residual}).encode()
 
     @classmethod
     def from_metadata(cls, data: bytes) -> KVRequest:
@@ -77,9 +82,12 @@ class KVRequest:
         try:
             host, port = obj["reply_to"]
             bw = obj["bandwidth_gbps"]
+            hold = obj.get("hold_residual", False)
+            if not isinstance(hold, bool):
+                raise TypeError(f"hold_residual must be a boolean, got {hold!r}")
             return cls(str(obj["request_id"]), Scheme(obj["scheme"]), int(obj["anchor_bits"]),
                        str(obj["kind"]), (str(host), int(port)),
-                       None if bw is None else float(bw))
+                       None if bw is None else float(bw), hold)
         except (KeyError, TypeError, ValueError) as exc:
             raise DecodeError(f"request field is missing or invalid: {exc}") from None
 

@@ -36,7 +36,7 @@ from typing import Any
 from lynx_transport._threads import renice_current_thread
 from lynx_transport._ucx import UcxWorker
 from lynx_transport.clock import Clock
-from lynx_transport.errors import ClosedError
+from lynx_transport.errors import ClosedError, TransportTimeoutError
 
 __all__ = ["IoLoop"]
 
@@ -88,6 +88,15 @@ class IoLoop:
             self._calls.append((fn, fut))
         self.wake()
         return fut
+
+    def run(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """:meth:`call` and wait: ``fn``'s result, its exception, or
+        :class:`TransportTimeoutError` after ``timeout`` seconds."""
+        try:
+            return self.call(fn).result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransportTimeoutError(
+                f"the {self._thread.name} thread did not answer in {timeout} s") from None
 
     def discard(self) -> None:
         """Free the resources of a loop that was never started (construction failed)."""

@@ -289,8 +289,8 @@ class RxLoop(IoLoop):
         handle = ReceiveStream(manifest, regions, self.o.pool, conn.ctl.peer, self.o._release_from_user)
         rx = _RxStream(handle, self.alloc_token(), conn)
         conn.streams[sid] = rx
-        handle._abandon = lambda reason, timeout: self.call(
-            lambda: self.abandon(rx, reason)).result(timeout)
+        handle._abandon = lambda reason, timeout: self.run(lambda: self.abandon(rx, reason), timeout)
+        handle._go = lambda lane, timeout: self.run(lambda: self.lane_go(rx, lane), timeout)
         self.o._dispatch.post(self.o._cb["on_stream_open"], handle)
         with self.o._opened_cond:
             self.o._opened.append(handle)
@@ -345,13 +345,22 @@ class RxLoop(IoLoop):
 
     def stream_landed(self, rx: _RxStream) -> None:
         if rx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
-            rx.handle._abandon = None
+            rx.handle._abandon = rx.handle._go = None
             self.completed += 1
             del rx.conn.streams[rx.handle.stream_id]
             rx.conn.completed_ids.append(rx.handle.stream_id)
             self.tokens_in_use.discard(rx.token)
             self.send(rx.conn, FrameType.STREAM_DONE, pack_u64(rx.handle.stream_id))
             self.o._dispatch.post(self.o._cb["on_stream_complete"], rx.handle)
+
+    def lane_go(self, rx: _RxStream, lane: int) -> None:
+        """``ReceiveStream.release_lane``: let the sender send a lane it holds."""
+        if rx.handle.state.terminal or lane not in rx.lanes_open or rx.conn.ctl.closed:
+            return
+        try:
+            self.send(rx.conn, FrameType.LANE_GO, pack_stream_lane(rx.handle.stream_id, lane))
+        except TransportError as exc:  # the stream fails with the connection
+            self.drop_conn(rx.conn, exc)
 
     def abandon(self, rx: _RxStream, reason: str) -> None:
         """The receiver's user gave the stream up (``ReceiveStream.abandon``)."""
@@ -363,7 +372,7 @@ class RxLoop(IoLoop):
         h = rx.handle
         if not h._completion.finish(state, self.clock.now(), exc):
             return
-        h._abandon = None
+        h._abandon = h._go = None
         self.failed += 1
         rx.conn.streams.pop(h.stream_id, None)
         requests = [p.request for q in rx.pending.values() for p in q]

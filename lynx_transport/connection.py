@@ -29,7 +29,7 @@ import secrets
 import selectors
 import socket
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lynx_transport import _auth, _ucx
@@ -39,7 +39,7 @@ from lynx_transport.clock import Clock, MonotonicClock
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (AuthenticationError, ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
                                    PoolExhaustedError, ProtocolError, StreamCancelledError,
-                                   StreamFailedError, TransportError, TransportTimeoutError)
+                                   StreamFailedError, TransportError)
 from lynx_transport.lanes import check_lane
 from lynx_transport.manifest import Manifest, RegionSpec, encode_manifest
 from lynx_transport.scheduler import Chunk, PriorityScheduler
@@ -70,6 +70,7 @@ class _TxStream:
     inflight: int = 0
     cancelling: bool = False
     supplied: list[int] = dataclasses.field(default_factory=list)  # in supply order
+    held: set[int] = dataclasses.field(default_factory=set)  # lanes not scheduled yet
 
 
 class _TxLoop(IoLoop):
@@ -140,6 +141,13 @@ class _TxLoop(IoLoop):
                     raise ProtocolError(f"LANE_DONE for lane {lane}, which stream {sid} does not use")
                 if not tx.handle._completion.lane_done(lane, self.clock.now()):
                     raise ProtocolError(f"duplicate LANE_DONE for lane {lane} of stream {sid}")
+        elif t is FrameType.LANE_GO:
+            sid, lane = unpack_stream_lane(frame.payload, "LANE_GO")
+            tx = self.streams.get(sid)
+            if tx is not None:
+                if lane not in tx.handle.manifest.lanes:
+                    raise ProtocolError(f"LANE_GO for lane {lane}, which stream {sid} does not use")
+                self.release_lane(tx, lane)
         elif t is FrameType.STREAM_DONE:
             tx = self.streams.get(unpack_u64(frame.payload, "STREAM_DONE"))
             if tx is not None and tx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
@@ -165,12 +173,15 @@ class _TxLoop(IoLoop):
             raise ProtocolError(f"unexpected {t.name} frame from a receiver")
 
     # -- streams ------------------------------------------------------------------------
-    def open(self, handle: SendStream, payload: bytes, views: list[Any | None]) -> None:
+    def open(self, handle: SendStream, payload: bytes, views: list[Any | None],
+             hold: frozenset[int]) -> None:
         if self.broken is not None:
             raise self.broken
-        tx = _TxStream(handle, views, supplied=[i for i, v in enumerate(views) if v is not None])
+        tx = _TxStream(handle, views, supplied=[i for i, v in enumerate(views) if v is not None],
+                       held=set(hold))
         handle._supply = lambda i, buf: self.supply(tx, i, buf)
         handle._cancel = lambda: self.cancel(tx)
+        handle._release_lane = lambda lane: self.release_lane(tx, lane)
         self.streams[handle.stream_id] = tx
         self.send(FrameType.OPEN, payload)
 
@@ -189,8 +200,21 @@ class _TxLoop(IoLoop):
         if tx.token is not None:
             self.queue_region(tx, i)
 
+    def release_lane(self, tx: _TxStream, lane: int) -> None:
+        """Schedule a held lane's supplied regions (in supply order); later ones follow."""
+        if lane not in tx.held or tx.handle.state.terminal or tx.cancelling:
+            return
+        tx.held.discard(lane)
+        tx.handle.lane_released_at[lane] = self.clock.now()
+        if tx.token is not None:
+            for i in tx.supplied:
+                if tx.handle.manifest.regions[i].lane == lane:
+                    self.queue_region(tx, i)
+
     def queue_region(self, tx: _TxStream, i: int) -> None:
         spec = tx.handle.manifest.regions[i]
+        if spec.lane in tx.held:
+            return  # scheduled by release_lane
         first = tx.handle.manifest.first_chunk_indices()[i]
         self.sched.add_region(tx.handle.stream_id, i, spec.lane, spec.nbytes, first)
 
@@ -364,25 +388,29 @@ class Connection:
     def _call(self, fn: Any, timeout: float = 5.0) -> Any:
         if self._closed:
             raise ClosedError("the connection is closed")
-        try:
-            return self._loop.call(fn).result(timeout)
-        except TimeoutError as exc:
-            raise TransportTimeoutError(f"the I/O thread did not answer in {timeout} s") from exc
+        return self._loop.run(fn, timeout)
 
     def open_stream(self, regions: Sequence[RegionSpec | tuple[str, int, int]],
-                    metadata: bytes = b"", timeout: float = 5.0) -> SendStream:
-        """Announce a stream (names, sizes, lanes, metadata); supply bytes later with ``supply``."""
+                    metadata: bytes = b"", timeout: float = 5.0,
+                    hold: Iterable[int] = ()) -> SendStream:
+        """Announce a stream (names, sizes, lanes, metadata); supply bytes later with ``supply``.
+
+        ``hold``: lanes that are not sent until released - by the receiver
+        (``ReceiveStream.release_lane``) or here (``SendStream.release_lane``).
+        Their regions can be supplied meanwhile.
+        """
         specs = tuple(r if isinstance(r, RegionSpec) else RegionSpec(r[0], r[1], r[2])
                       for r in regions)
-        return self._open(specs, [None] * len(specs), metadata, timeout)
+        return self._open(specs, [None] * len(specs), metadata, timeout, hold)
 
     def send_stream(self, regions: Sequence[tuple[str, Any, int]], metadata: bytes = b"",
-                    timeout: float = 5.0) -> SendStream:
+                    timeout: float = 5.0, hold: Iterable[int] = ()) -> SendStream:
         """Send named buffers, each on a lane: ``[(name, buffer, lane), ...]``.
 
         Buffers (NumPy/CuPy arrays, bytes-like) must be contiguous and stay
         unchanged until the returned stream is done. ``timeout`` bounds only the
-        hand-off to the I/O thread; wait on the stream for completion.
+        hand-off to the I/O thread; wait on the stream for completion. ``hold``:
+        as for :meth:`open_stream`.
         """
         views, specs = [], []
         for item in regions:
@@ -392,14 +420,18 @@ class Connection:
             view = _ucx.as_bytes_view(buffer)
             views.append(view)
             specs.append(RegionSpec(name, int(view.nbytes), lane))
-        return self._open(tuple(specs), views, metadata, timeout)
+        return self._open(tuple(specs), views, metadata, timeout, hold)
 
     def _open(self, specs: tuple[RegionSpec, ...], views: list[Any | None], metadata: bytes,
-              timeout: float) -> SendStream:
+              timeout: float, hold: Iterable[int]) -> SendStream:
         manifest = Manifest(next(self._ids), self.config.chunk_bytes, specs, bytes(metadata))
         payload = encode_manifest(manifest, self.config.manifest_limits)
-        handle = SendStream(manifest, self.clock.now(), self._loop.call)
-        self._call(lambda: self._loop.open(handle, payload, views), timeout)
+        held = frozenset(check_lane(lane) for lane in hold)
+        if not held <= set(manifest.lanes):
+            raise ValueError(f"cannot hold lanes {sorted(held - set(manifest.lanes))}: no region "
+                             "travels on them")
+        handle = SendStream(manifest, self.clock.now(), self._loop.run)
+        self._call(lambda: self._loop.open(handle, payload, views, held), timeout)
         return handle
 
     def set_link_rate(self, rate: Rate | None) -> None:

@@ -47,7 +47,9 @@ class ReceiveStream:
         self._release_cb = release_cb
         self._released = False
         self._lock = threading.Lock()
-        self._abandon: Callable[[str, float], None] | None = None  # set by the I/O thread
+        # set by the I/O thread while the stream is live
+        self._abandon: Callable[[str, float], None] | None = None
+        self._go: Callable[[int, float], None] | None = None
 
     def __repr__(self) -> str:
         return (f"ReceiveStream(id={self.stream_id}, regions={len(self.regions)}, "
@@ -109,6 +111,25 @@ class ReceiveStream:
     @property
     def lane_completed_at(self) -> dict[int, float]:
         return dict(self._completion.lane_completed_at)
+
+    def release_lane(self, lane: int, timeout: float = 5.0) -> None:
+        """Tell the sender to start sending ``lane``, if it holds it (see
+        ``Connection.open_stream(hold=...)``): a receiver that is busy with the
+        bytes already here (the first model step on the anchors, say) holds the
+        lower lanes until it is ready for them.
+
+        Returns once the request is on its way. Idempotent; a no-op on a
+        finished stream or for a lane whose bytes all landed. ``ValueError``
+        for a lane the stream does not use.
+        """
+        lane = int(lane)
+        if lane not in self.manifest.lanes:
+            raise ValueError(f"stream {self.stream_id} has no lane {lane} "
+                             f"(its lanes: {list(self.manifest.lanes)})")
+        go = self._go
+        if self.state.terminal or go is None or lane in self._completion.lane_completed_at:
+            return
+        go(lane, timeout)
 
     def abandon(self, reason: str, timeout: float = 5.0) -> None:
         """Give up on a stream that has not completed (a residual that never arrives, say).

@@ -112,10 +112,7 @@ class Receiver:
     def _call(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
         if self._closed:
             raise ClosedError("the receiver is closed")
-        try:
-            return self._loop.call(fn).result(timeout)
-        except TimeoutError as exc:
-            raise TransportTimeoutError(f"the receiver's I/O thread did not answer in {timeout} s") from exc
+        return self._loop.run(fn, timeout)
 
     def next_stream(self, timeout: float) -> ReceiveStream:
         """The next opened stream (manifest accepted, data may still be arriving).

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
-from lynx_transport.errors import TransportError, TransportTimeoutError
+from lynx_transport.errors import TransportError
 from lynx_transport.manifest import Manifest
 from lynx_transport.state import Completion, StreamState
 
@@ -25,17 +24,20 @@ class SendStream:
     """
 
     def __init__(self, manifest: Manifest, opened_at: float,
-                 call: Callable[[Callable[[], Any]], concurrent.futures.Future]) -> None:
+                 call: Callable[[Callable[[], Any], float], Any]) -> None:
         self.manifest = manifest
         self.opened_at = opened_at
         self._completion = Completion(f"stream {manifest.stream_id}")
         #: Monotonic time the first chunk was handed to UCX (``None`` before).
         self.started_at: float | None = None
+        #: Monotonic time each held lane was released (see ``Connection.open_stream``).
+        self.lane_released_at: dict[int, float] = {}
         self._call = call
         self._names = {r.name: i for i, r in enumerate(manifest.regions)}
         # set by the connection's I/O thread
         self._supply: Callable[[int, Any], None] | None = None
         self._cancel: Callable[[], None] | None = None
+        self._release_lane: Callable[[int], None] | None = None
 
     def __repr__(self) -> str:
         return f"SendStream(id={self.stream_id}, state={self.state.value})"
@@ -71,12 +73,6 @@ class SendStream:
     def lane_completed_at(self) -> dict[int, float]:
         return dict(self._completion.lane_completed_at)
 
-    def _run(self, fn: Callable[[], Any], timeout: float) -> Any:
-        try:
-            return self._call(fn).result(timeout)
-        except concurrent.futures.TimeoutError as exc:
-            raise TransportTimeoutError(f"the I/O thread did not answer in {timeout} s") from exc
-
     def supply(self, name: str, buffer: Any, timeout: float = 5.0) -> None:
         """Provide the bytes of region ``name`` (for streams opened with ``open_stream``).
 
@@ -89,7 +85,14 @@ class SendStream:
         index = self._names[name]
         assert self._supply is not None
         supply = self._supply
-        self._run(lambda: supply(index, buffer), timeout)
+        self._call(lambda: supply(index, buffer), timeout)
+
+    def release_lane(self, lane: int, timeout: float = 5.0) -> None:
+        """Start sending a lane held since the stream opened (the receiver can
+        release it too). Idempotent; a no-op on a finished stream."""
+        assert self._release_lane is not None
+        release, lane = self._release_lane, int(lane)
+        self._call(lambda: release(lane), timeout)
 
     def cancel(self, timeout: float = 5.0) -> None:
         """Stop sending; the stream ends cancelled once chunks already handed to UCX finish.
@@ -98,4 +101,4 @@ class SendStream:
         ``wait`` to see the final state.
         """
         assert self._cancel is not None
-        self._run(self._cancel, timeout)
+        self._call(self._cancel, timeout)

@@ -184,7 +184,8 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
     * ``("send", specs, metadata, timeout)`` - ``specs`` is ``[(name, nbytes, lane, seed)]``;
       sends :func:`pattern` bytes, waits for confirmation, returns timings.
     * ``("send_many", [(specs, metadata), ...], timeout)`` - opens all streams at once, then waits.
-    * ``("start", specs, metadata)`` - send without waiting; returns the stream id.
+    * ``("start", specs, metadata[, hold])`` - send without waiting (holding the lanes in
+      ``hold``); returns the stream id. ``("release", stream_id, lane)`` releases a held lane.
     * ``("wait", stream_id, timeout)`` - wait for a started stream; returns timings.
     * ``("cancel", stream_id, timeout)`` - cancel a started stream, wait for its end.
     * ``("incremental", specs, metadata, timeout)`` - ``open_stream`` first, then
@@ -231,10 +232,10 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
             zeros[seed, n] = pattern(seed, n)
         return zeros[seed, n]
 
-    def start(specs: list, metadata: bytes) -> Any:
+    def start(specs: list, metadata: bytes, hold: tuple[int, ...] = ()) -> Any:
         buffers = [(name, data(seed, n), lane) for name, n, lane, seed in specs]
         keep.append(buffers)
-        return conn.send_stream(buffers, metadata=metadata)
+        return conn.send_stream(buffers, metadata=metadata, hold=hold)
 
     def finish(stream: Any, timeout: float) -> dict[str, Any]:
         try:
@@ -261,10 +262,13 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
                 result = [finish(s, max(0.0, deadline - time.monotonic())) for s in streams]
                 keep.clear()
             elif op == "start":
-                _, specs, metadata = request
-                stream = start(specs, metadata)
+                stream = start(*request[1:])
                 started[stream.stream_id] = stream
                 result = stream.stream_id
+            elif op == "release":
+                _, stream_id, lane = request
+                started[stream_id].release_lane(lane)
+                result = None
             elif op == "wait":
                 _, stream_id, timeout = request
                 result = finish(started.pop(stream_id), timeout)

@@ -66,6 +66,7 @@ class FrameType(enum.IntEnum):
     PROOF = 14         # S->R  sender's proof of the shared secret
     DENIED = 15        # R->S  authentication refused (text); the receiver then closes
     CHUNK_SUM = 16     # S->R  stream id, chunk index, length, CRC32 of one chunk
+    LANE_GO = 17       # R->S  stream id, lane: start sending a lane the sender holds
 
 
 class HelloFlags(enum.IntFlag):
@@ -189,8 +190,8 @@ def pack_stream_lane(stream_id: int, lane: int) -> bytes:
     return _STREAM_LANE.pack(stream_id, lane)
 
 
-def unpack_stream_lane(payload: bytes) -> tuple[int, int]:
-    return _exact(_STREAM_LANE, payload, "LANE_DONE")
+def unpack_stream_lane(payload: bytes, what: str = "LANE_DONE") -> tuple[int, int]:
+    return _exact(_STREAM_LANE, payload, what)
 
 
 def pack_stream_token(stream_id: int, token: int) -> bytes:

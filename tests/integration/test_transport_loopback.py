@@ -235,3 +235,59 @@ def test_thread_nice_lowers_the_transports_own_threads_only() -> None:
 def test_thread_nice_out_of_range_is_refused(bad) -> None:
     with pytest.raises(ValueError, match="thread_nice"):
         TransportConfig(thread_nice=bad)
+
+
+def _residual_bytes(rx) -> int:
+    return rx.stats().lane(Lane.RESIDUAL).bytes
+
+
+def _held_stream(peer, rx, hold=(Lane.RESIDUAL,)):
+    specs, meta = make_specs([(1 << 20, Lane.ANCHOR), (2 << 20, Lane.RESIDUAL)], next(_counter))
+    sid = peer.call("start", specs, meta, tuple(hold))
+    stream = rx.next_stream(30)
+    assert stream.stream_id == sid
+    return specs, stream
+
+
+def _check_held_then_complete(rx, rec, stream, specs, release) -> None:
+    before = _residual_bytes(rx)
+    stream.wait_lane(Lane.ANCHOR, 30)
+    threading.Event().wait(0.3)
+    # the residual is held: not one byte of it moved while the receiver was busy
+    assert not stream.region_done("r1")
+    assert _residual_bytes(rx) == before
+    release()
+    stream.wait(30)
+    assert rec.finished[stream.stream_id].wait(30)
+    for name, n, _, seed in specs:
+        assert np.array_equal(stream.view(name), pattern(seed, n))
+    assert not rec.problems, rec.problems
+    stream.release_lane(Lane.RESIDUAL)  # idempotent, also once the stream is finished
+    stream.release()
+
+
+def test_a_held_lane_waits_for_the_receivers_release(loopback) -> None:
+    pool, rx, rec, peer = loopback
+    specs, stream = _held_stream(peer, rx)
+    with pytest.raises(ValueError, match="no lane 3"):
+        stream.release_lane(3)
+
+    def release() -> None:
+        stream.release_lane(Lane.RESIDUAL)
+        stream.release_lane(Lane.RESIDUAL)  # twice: one LANE_GO is enough, the second is ignored
+
+    _check_held_then_complete(rx, rec, stream, specs, release)
+
+
+def test_a_held_lane_can_be_released_by_the_sender(loopback) -> None:
+    pool, rx, rec, peer = loopback
+    specs, stream = _held_stream(peer, rx)
+    _check_held_then_complete(rx, rec, stream, specs,
+                              lambda: peer.call("release", stream.stream_id, int(Lane.RESIDUAL)))
+
+
+def test_holding_a_lane_no_region_travels_on_is_refused(loopback) -> None:
+    pool, rx, rec, peer = loopback
+    specs, meta = make_specs([(4096, Lane.ANCHOR)], next(_counter))
+    with pytest.raises(Exception, match="cannot hold lanes \\[1\\]"):
+        peer.call("start", specs, meta, (int(Lane.RESIDUAL),))

@@ -77,6 +77,13 @@ def test_stream_that_does_not_fit_the_model_is_refused() -> None:
 def test_request_round_trip_and_validation() -> None:
     req = KVRequest("id", Scheme.LYNX, 3, "chat", ("127.0.0.1", 5000), 1.5)
     assert KVRequest.from_metadata(req.to_metadata()) == req
+    held = KVRequest("id", Scheme.LYNX, 3, "chat", ("127.0.0.1", 5000), hold_residual=True)
+    assert KVRequest.from_metadata(held.to_metadata()) == held
+    raw = json.loads(req.to_metadata())
+    del raw["hold_residual"]  # a requester that does not know the field: no hold
+    assert KVRequest.from_metadata(json.dumps(raw).encode()).hold_residual is False
+    with pytest.raises(DecodeError, match="hold_residual must be a boolean"):
+        KVRequest.from_metadata(json.dumps({**raw, "hold_residual": "yes"}).encode())
     with pytest.raises(ConfigError, match="bandwidth"):
         KVRequest("id", Scheme.LYNX, 3, "text", ("h", 1), 0.0)
     with pytest.raises(ConfigError, match="anchor bits"):
