@@ -46,9 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--messages", type=int, default=5,
                         help="messages per backend per round (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--chunk-kib", type=int, default=1024, help="Lynx chunk size (default 1024)")
-    parser.add_argument("--inflight-mib", type=int, default=8,
-                        help="Lynx bytes-in-flight bound (default 8)")
+    parser.add_argument("--chunk-kib", type=int, default=None,
+                        help="Lynx chunk size (default: TransportConfig's, 1024)")
+    parser.add_argument("--inflight-mib", type=int, default=None,
+                        help="Lynx bytes-in-flight bound (default: TransportConfig's, 16)")
+    parser.add_argument("--rails", type=int, default=None,
+                        help="Lynx receive rails (default: TransportConfig's, 2)")
     parser.add_argument("--tls", default=None,
                         help="UCX_TLS for every UCX backend (default: TransportConfig's, ^posix,sysv)")
     parser.add_argument("--link-gbps", type=float, default=1.0,
@@ -88,12 +91,17 @@ def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
                                         sender_server)
 
     say = progress or (lambda msg: None)
-    if args.tls is None:
-        args.tls = TransportConfig().ucx_tls
+    default = TransportConfig()
+    args.tls = default.ucx_tls if args.tls is None else args.tls
+    args.chunk_kib = default.chunk_bytes // 1024 if args.chunk_kib is None else args.chunk_kib
+    args.inflight_mib = (default.max_inflight_bytes // MiB if args.inflight_mib is None
+                         else args.inflight_mib)
+    args.rails = default.rails if args.rails is None else args.rails
     nbytes = args.size_mib * MiB
     rounds, messages = (1, 3) if args.quick else (args.rounds, args.messages)
     config = TransportConfig(chunk_bytes=args.chunk_kib * 1024,
-                             max_inflight_bytes=args.inflight_mib * MiB, ucx_tls=args.tls)
+                             max_inflight_bytes=args.inflight_mib * MiB, ucx_tls=args.tls,
+                             rails=args.rails)
     times: dict[str, list[float]] = {"lynx": [], "lynx_written": [], "ucxx": [], "ucxx_written": [],
                                      "asyncio_tcp": []}
     sources = {"": UNTOUCHED, "_written": WRITTEN_ZEROS}
@@ -193,6 +201,7 @@ def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
             "send_buffers": "lynx_gbps, ucxx_gbps: allocated and never written, like "
                             "ucx_perftest's; *_written_gbps, asyncio_tcp_gbps: written",
             "chunk_bytes": config.chunk_bytes, "max_inflight_bytes": config.max_inflight_bytes,
+            "rails": config.rails,
             "lynx_gbps_timing": "first chunk handed to UCX -> receiver's STREAM_DONE",
             "lynx_end_to_end_gbps": round(_median_gbps(nbytes, lynx_e2e), 3),
             "lynx_end_to_end_timing": "send_stream() -> receiver's STREAM_DONE (adds the "
@@ -228,7 +237,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{key:<26} {result[key]}{mark}")
     d = result["details"]
     print(f"(messages of {d['message_bytes']} B, UCX_TLS={d['ucx_tls']}, error handling: "
-          f"{d['ucx_error_handling']}; send buffers: {d['send_buffers']})")
+          f"{d['ucx_error_handling']}; Lynx: {d['chunk_bytes']} B chunks, "
+          f"{d['max_inflight_bytes']} B in flight, {d['rails']} receive rails; "
+          f"send buffers: {d['send_buffers']})")
     for side in ("sender_lanes", "receiver_lanes"):
         for lane in d[side]:
             print(f"{side:<15} lane {lane['lane']}: {lane['bytes']} B in {lane['chunks']} chunks, "

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from lynx_transport import _auth, _ucx
 from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
+from lynx_transport._receiver_rail import RailLoop
 from lynx_transport._receiver_state import _Conn, _Pending, _RxStream
 from lynx_transport.errors import (AuthenticationError, ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
                                    PoolExhaustedError, ProtocolError, StreamCancelledError,
@@ -70,9 +71,9 @@ class RxLoop(IoLoop):
     def __init__(self, owner: Receiver, listen: socket.socket) -> None:
         device = owner.pool.device
         init = None if device is None else (lambda: _ucx.ensure_cuda_context(device))
+        net_devices = owner.config.ucx_net_devices or _net_devices(owner.address[0])
         super().__init__("lynx-rx-io", owner.config.ucx_tls, owner.clock, init,
-                         net_devices=owner.config.ucx_net_devices or _net_devices(owner.address[0]),
-                         nice=owner.config.thread_nice)
+                         net_devices=net_devices, nice=owner.config.thread_nice)
         self.o = owner
         self.listen = listen
         self.conns: dict[int, _Conn] = {}
@@ -83,7 +84,22 @@ class RxLoop(IoLoop):
         self.completed = 0
         self.failed = 0
         self.max_payload = owner.config.manifest_limits.max_encoded_bytes
+        self.rails: list[RailLoop] = []
+        try:
+            for i in range(1, owner.config.rails):
+                self.rails.append(RailLoop(i, self.wake, owner.config.ucx_tls, owner.clock, init,
+                                           net_devices, owner.config.thread_nice))
+        except BaseException:
+            for rail in self.rails:
+                rail.discard()
+            self.discard()
+            raise
         self.selector.register(listen, selectors.EVENT_READ, self.on_accept)
+
+    def start(self) -> None:
+        for rail in self.rails:
+            rail.start()
+        super().start()
 
     # -- sockets --------------------------------------------------------------------
     def on_accept(self, listen: socket.socket) -> None:
@@ -204,8 +220,9 @@ class RxLoop(IoLoop):
         conn.ctl.limit(self.max_payload)
         rate = self.o._requested_rate
         flags = WelcomeFlags.CHUNK_SUMS if self.o.config.verify_chunks else WelcomeFlags.NONE
+        addresses = [self.worker.address] + [rail.worker.address for rail in self.rails]
         self.send(conn, FrameType.WELCOME, pack_welcome(
-            self.worker.address, rate.gbps if rate else 0.0, rate.burst_bytes if rate else 0, flags))
+            addresses, rate.gbps if rate else 0.0, rate.burst_bytes if rate else 0, flags))
 
     def deny(self, conn: _Conn, why: str) -> None:
         """Refuse an unauthenticated peer: logged with its address, told why, disconnected."""
@@ -310,15 +327,35 @@ class RxLoop(IoLoop):
         cb = manifest.chunk_bytes
         pool = self.o.pool
         base = rx.token << 32
+        n_rails = 1 + len(self.rails)
+        handed: list[list[tuple[Any, int]]] = [[] for _ in self.rails]
+        later: list[list[_Pending]] = [[] for _ in self.rails]
         for i, (r, first) in enumerate(zip(regions, manifest.first_chunk_indices())):
             q = rx.pending[r.lane]
             for k, off in enumerate(range(0, r.nbytes, cb)):
-                n = min(cb, r.nbytes - off)
-                try:
-                    req = self.worker.tag_recv(pool.view(r.offset + off, n), base | (first + k))
-                except Exception as exc:
-                    raise TransportError(f"cannot post a UCX receive: {exc}") from exc
-                q.append(_Pending(req, i, off, n, first + k, r.lane))
+                n, index = min(cb, r.nbytes - off), first + k
+                rail = index % n_rails  # the sender picks the same endpoint
+                view = pool.view(r.offset + off, n)
+                if rail:
+                    handed[rail - 1].append((view, base | index))
+                    p = _Pending(None, i, off, n, index, r.lane, rail)
+                    later[rail - 1].append(p)
+                else:
+                    try:
+                        req = self.worker.tag_recv(view, base | index)
+                    except Exception as exc:
+                        raise TransportError(f"cannot post a UCX receive: {exc}") from exc
+                    p = _Pending(req, i, off, n, index, r.lane)
+                q.append(p)
+        for rail, receives, pendings in zip(self.rails, handed, later):
+            if not receives:
+                continue
+            try:
+                requests = rail.run(lambda rail=rail, receives=receives: rail.post(receives), 5.0)
+            except Exception as exc:
+                raise TransportError(f"cannot post UCX receives on a receive rail: {exc}") from exc
+            for p, req in zip(pendings, requests):
+                p.request = req
 
     def finish_empty(self, rx: _RxStream) -> None:
         """Regions and lanes with no bytes are complete as soon as the stream opens."""
@@ -375,7 +412,8 @@ class RxLoop(IoLoop):
         h._abandon = h._go = None
         self.failed += 1
         rx.conn.streams.pop(h.stream_id, None)
-        requests = [p.request for q in rx.pending.values() for p in q]
+        requests = [(p.rail, p.request) for q in rx.pending.values() for p in q
+                    if p.request is not None]
         for q in rx.pending.values():  # a stale frame (traceback) may still reference a queue
             q.regions.clear()
         rx.pending.clear()
@@ -510,9 +548,8 @@ class RxLoop(IoLoop):
                 if until <= now:
                     # cancel explicitly, and reuse the blocks only once every receive
                     # has finished: no late message can land in another stream's bytes
-                    for req in requests:
-                        _ucx.cancel(req)
-                    if all(req.completed for req in requests):
+                    self.cancel(requests)
+                    if all(req.completed for _, req in requests):
                         requests.clear()
                         self.tokens_in_use.discard(token)
                         for off, n in blocks:
@@ -530,6 +567,18 @@ class RxLoop(IoLoop):
                 deadline = min(deadline, until)
         # housekeeping may run a little late: never ask the loop for a precise sleep
         return max(deadline, now + HOUSEKEEPING_SLACK_S)
+
+    def cancel(self, requests: list[tuple[int, Any]]) -> None:
+        """Cancel ``(rail, request)`` receives, each on its worker's own thread."""
+        on_rail: dict[int, list[Any]] = collections.defaultdict(list)
+        for rail, req in requests:
+            if rail == 0:
+                _ucx.cancel(req)
+            elif not req.completed:
+                on_rail[rail].append(req)
+        for rail, reqs in on_rail.items():
+            target = self.rails[rail - 1]
+            target.call(lambda target=target, reqs=reqs: target.cancel(reqs))
 
     def shutdown(self) -> None:
         for conn in list(self.conns.values()):
@@ -549,6 +598,9 @@ class RxLoop(IoLoop):
         except (KeyError, ValueError):
             pass
         self.listen.close()
+        # no stream holds a rail's request any more: each rail drops its own
+        for rail in self.rails:
+            rail.stop(5.0)
 
     def on_crash(self, exc: BaseException) -> None:
         err = TransportError(f"the receiver's I/O thread crashed: {exc!r}")

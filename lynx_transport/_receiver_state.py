@@ -26,6 +26,7 @@ class _Pending:
     nbytes: int
     index: int  # the chunk's number in the stream (tag low bits)
     lane: int = 0
+    rail: int = 0  # the UCX worker it is posted on (see _receiver_rail)
 
 
 class _LaneQueue:

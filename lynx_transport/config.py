@@ -7,6 +7,7 @@ import dataclasses
 from lynx_transport.lanes import check_lane
 from lynx_transport.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ManifestLimits
 from lynx_transport.shaper import Rate
+from lynx_transport.wire import MAX_RAILS
 
 __all__ = ["TransportConfig", "MIN_SECRET_BYTES"]
 
@@ -25,10 +26,11 @@ class TransportConfig:
         load, larger ones cost less per byte.
     max_inflight_bytes:
         Bytes handed to UCX and not yet completed, per connection: the most
-        an anchor chunk can wait behind. 8 MiB keeps 64 MiB loopback streams
-        at raw ucxx's throughput here (0.9x; 1-8 MiB chunks with 8-32 MiB in
-        flight measured alike, ``lynx bench-transport``); lower it for tighter
-        anchor latency on slow unshaped links.
+        an anchor chunk can wait behind. 16 MiB (8 MiB per rail) keeps both
+        rails busy on 64 MiB loopback streams (measured here, 1 MiB chunks,
+        2 rails: 60 Gbit/s with 8 MiB in flight, 78-80 with 16, 75-76 with 32);
+        lower it for tighter anchor latency on slow unshaped links (a shaped
+        link holds it to the shaper's burst anyway).
     heartbeat_interval_s / peer_timeout_s:
         Each side sends a heartbeat when it has been silent this long, and
         declares the peer lost (``PeerDisconnectedError``) after hearing nothing
@@ -86,6 +88,12 @@ class TransportConfig:
         (0.326 -> 0.316 s), and hurt once the step overlapped the transfer
         (0.238 -> 0.249 s: anchor reception and dequantization are then on
         the critical path), so the decode node keeps 0.
+    rails:
+        Receiver side: UCX workers a stream's chunks are spread over (chunk
+        ``i`` on rail ``i % rails``), each progressed by its own thread (the
+        I/O thread runs rail 0). Over ``cma`` the receiver's progress does the
+        copy, so two rails copy on two cores; senders make one endpoint per
+        rail (the receiver's WELCOME lists them). 1 keeps one thread.
     pool_wait_s:
         Back-pressure: a stream that does not fit in the receive pool waits up
         to this long for released space before it is rejected
@@ -93,7 +101,7 @@ class TransportConfig:
     """
 
     chunk_bytes: int = 1 << 20
-    max_inflight_bytes: int = 8 << 20
+    max_inflight_bytes: int = 16 << 20
     heartbeat_interval_s: float = 0.25
     peer_timeout_s: float = 1.5
     ucx_tls: str = "^posix,sysv"
@@ -106,6 +114,7 @@ class TransportConfig:
     handshake_timeout_s: float = 5.0
     verify_chunks: bool = False
     thread_nice: int = 0
+    rails: int = 2
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -127,6 +136,8 @@ class TransportConfig:
             raise ValueError("ucx_net_devices must be None or a non-empty device list")
         if not isinstance(self.thread_nice, int) or not -39 <= self.thread_nice <= 39:
             raise ValueError(f"thread_nice must be an int in [-39, 39], got {self.thread_nice!r}")
+        if not isinstance(self.rails, int) or not 1 <= self.rails <= MAX_RAILS:
+            raise ValueError(f"rails must be an int in [1, {MAX_RAILS}], got {self.rails!r}")
         if not self.ucx_tls:
             raise ValueError("ucx_tls must not be empty")
         for lane, rate in self.lane_rates:

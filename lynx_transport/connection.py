@@ -14,7 +14,7 @@ Usage::
     s.supply("layer0", buf0); ...; s.supply("layer1", buf1)
 
 Each connection has one I/O thread (``lynx-tx-io``) that owns its UCX worker
-and endpoint, the control socket, the :class:`PriorityScheduler` and the
+and endpoints (one per receive rail), the control socket, the :class:`PriorityScheduler` and the
 :class:`Shaper`; public methods hand work to it and wait (with a timeout) for
 the answer. Completion is signalled by the receiver (LANE_DONE/STREAM_DONE
 frames), never inferred from local send completion.
@@ -74,7 +74,7 @@ class _TxStream:
 
 
 class _TxLoop(IoLoop):
-    def __init__(self, owner: Connection, sock: socket.socket, address: bytes) -> None:
+    def __init__(self, owner: Connection, sock: socket.socket, addresses: tuple[bytes, ...]) -> None:
         super().__init__("lynx-tx-io", owner.config.ucx_tls, owner.clock,
                          net_devices=owner.config.ucx_net_devices or "all",
                          nice=owner.config.thread_nice)
@@ -82,10 +82,13 @@ class _TxLoop(IoLoop):
         self.o = owner
         self.inflight: list[tuple[Any, Chunk, _TxStream]] = []
         self.quarantine: list[tuple[float, list[Any]]] = []
-        self.ep: Any = None
+        # one endpoint per receive rail; chunk i goes to rail i % rails (see _receiver_rail)
+        self.eps: list[Any] = []
         try:
-            self.ep = self.worker.endpoint(address)
+            for address in addresses:
+                self.eps.append(self.worker.endpoint(address))
         except BaseException:
+            self.eps = []
             self.discard()
             raise
         self.ctl = ControlSocket(sock, 1 << 16, self.clock.now())
@@ -301,7 +304,8 @@ class _TxLoop(IoLoop):
                         self.break_connection(exc)
                         return True, False, None
                 try:
-                    req = self.worker.tag_send(self.ep, view, (tx.token << 32) | chunk.index)
+                    req = self.worker.tag_send(self.eps[chunk.index % len(self.eps)], view,
+                                               (tx.token << 32) | chunk.index)
                 except Exception as exc:  # noqa: BLE001 - mapped and reported
                     self.sched.complete(chunk)
                     self.break_connection(TransportError(f"UCX send failed: {exc}"))
@@ -345,7 +349,7 @@ class _TxLoop(IoLoop):
             except TransportError:
                 pass
             self.break_connection(ClosedError("the connection was closed"))
-        self.ep = None
+        self.eps = []
 
     def on_crash(self, exc: BaseException) -> None:
         self.break_connection(TransportError(f"the I/O thread crashed: {exc!r}"))
@@ -353,7 +357,7 @@ class _TxLoop(IoLoop):
     def release_ucx(self) -> None:
         self.inflight.clear()
         self.quarantine.clear()
-        self.ep = None
+        self.eps = []
 
     def stats(self) -> TransportStats:
         lanes = range(8)
@@ -373,14 +377,14 @@ def _crc32(view: Any) -> int:
 class Connection:
     """A connection to one receiver. Create it with :func:`connect`."""
 
-    def __init__(self, sock: socket.socket, address: bytes, peer_rate: Rate | None,
+    def __init__(self, sock: socket.socket, addresses: tuple[bytes, ...], peer_rate: Rate | None,
                  config: TransportConfig, clock: Clock, chunk_sums: bool = False) -> None:
         self.config = config
         self.clock = clock
         self._chunk_sums = chunk_sums
         self._ids = itertools.count(1)
         self._closed = False
-        self._loop = _TxLoop(self, sock, address)
+        self._loop = _TxLoop(self, sock, addresses)
         if peer_rate is not None:
             self._loop.shaper.set_peer_rate(peer_rate)
         self._loop.start()
@@ -471,7 +475,7 @@ class Connection:
 
 
 def _handshake(sock: socket.socket, deadline: float, clock: Clock,
-               secret: bytes | None) -> tuple[bytes, Rate | None, WelcomeFlags]:
+               secret: bytes | None) -> tuple[tuple[bytes, ...], Rate | None, WelcomeFlags]:
     """HELLO -> [CHALLENGE -> PROOF ->] WELCOME; see :mod:`lynx_transport._auth`."""
     nonce_s = secrets.token_bytes(NONCE_BYTES)
     flags = HelloFlags.AUTH if secret is not None else HelloFlags.NONE
@@ -506,8 +510,8 @@ def _handshake(sock: socket.socket, deadline: float, clock: Clock,
                 # never hand an unauthenticated worker address to UCX
                 raise AuthenticationError("the receiver did not authenticate (it has no shared "
                                           "secret configured); refusing its worker address")
-            address, gbps, burst, wflags = unpack_welcome(frame.payload)
-            return address, (Rate(gbps, burst) if gbps > 0 else None), wflags
+            addresses, gbps, burst, wflags = unpack_welcome(frame.payload)
+            return addresses, (Rate(gbps, burst) if gbps > 0 else None), wflags
 
 
 def connect(address: tuple[str, int], *, timeout: float = 5.0,
@@ -526,8 +530,8 @@ def connect(address: tuple[str, int], *, timeout: float = 5.0,
     except OSError as exc:
         raise ConnectError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
     try:
-        ucx_address, peer_rate, wflags = _handshake(sock, deadline, clock, config.secret)
-        return Connection(sock, ucx_address, peer_rate, config, clock,
+        ucx_addresses, peer_rate, wflags = _handshake(sock, deadline, clock, config.secret)
+        return Connection(sock, ucx_addresses, peer_rate, config, clock,
                           chunk_sums=bool(wflags & WelcomeFlags.CHUNK_SUMS))
     except AuthenticationError:
         sock.close()

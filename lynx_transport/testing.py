@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from lynx_transport.pool import host_buffer
@@ -426,11 +426,15 @@ class RawDataPath:
     short, long, corrupted or misaddressed chunks. Owned by the calling thread.
     """
 
-    def __init__(self, worker_address: bytes, tls: str = "^posix,sysv", net_devices: str = "lo") -> None:
+    def __init__(self, worker_addresses: bytes | Sequence[bytes], tls: str = "^posix,sysv",
+                 net_devices: str = "lo") -> None:
         from lynx_transport._ucx import UcxWorker  # noqa: PLC0415
 
         self.worker = UcxWorker(tls, net_devices)
-        self.ep = self.worker.endpoint(worker_address)
+        addresses = ([worker_addresses] if isinstance(worker_addresses, bytes)
+                     else list(worker_addresses))
+        # like a real sender: chunk i (the tag's low 32 bits) goes to receive rail i % rails
+        self.eps = [self.worker.endpoint(a) for a in addresses]
         self._keep: list[Any] = []
 
     def send(self, tag: int, data: Any, timeout: float = 5.0) -> None:
@@ -438,7 +442,7 @@ class RawDataPath:
         from lynx_transport._ucx import as_bytes_view, check  # noqa: PLC0415
 
         view = as_bytes_view(data)
-        req = self.worker.tag_send(self.ep, view, tag)
+        req = self.worker.tag_send(self.eps[(tag & 0xFFFFFFFF) % len(self.eps)], view, tag)
         deadline = time.monotonic() + timeout
         while not req.completed:
             self.worker.progress()
@@ -451,7 +455,7 @@ class RawDataPath:
         for _ in range(100):
             self.worker.progress()
         self._keep.clear()
-        self.ep = None
+        self.eps = []
         self.worker.close()
 
     def __enter__(self) -> RawDataPath:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from lynx_transport.errors import ProtocolError
 
 __all__ = [
-    "WIRE_MAGIC", "WIRE_VERSION", "HEADER", "FrameType", "Frame", "OversizedFrame",
+    "WIRE_MAGIC", "WIRE_VERSION", "MAX_RAILS", "HEADER", "FrameType", "Frame", "OversizedFrame",
     "FrameDecoder", "encode_frame", "RejectReason",
     "pack_u64", "unpack_u64", "pack_stream_lane", "unpack_stream_lane",
     "pack_stream_token", "unpack_stream_token", "pack_stream_text", "unpack_stream_text",
@@ -45,6 +45,8 @@ HEADER = struct.Struct("!4sBBHI")
 OVERSIZED_PREFIX = 8
 MAX_TEXT = 1024
 MAX_ADDRESS = 64 * 1024
+#: Most receive rails (UCX workers) a receiver announces.
+MAX_RAILS = 8
 
 
 class FrameType(enum.IntEnum):
@@ -81,6 +83,7 @@ class WelcomeFlags(enum.IntFlag):
 
     NONE = 0
     CHUNK_SUMS = 1  # the receiver wants a CHUNK_SUM frame for every chunk
+    RAILS = 2       # the payload lists several UCX worker addresses (receive rails)
 
 
 class RejectReason(enum.IntEnum):
@@ -227,19 +230,51 @@ def unpack_rate(payload: bytes) -> tuple[float, int]:
     return gbps, burst
 
 
-def pack_welcome(address: bytes, gbps: float, burst_bytes: int,
+_ADDRESS_LEN = struct.Struct("!H")
+
+
+def pack_welcome(addresses: bytes | Sequence[bytes], gbps: float, burst_bytes: int,
                  flags: WelcomeFlags = WelcomeFlags.NONE) -> bytes:
-    return bytes([int(flags)]) + _RATE.pack(gbps, burst_bytes) + address
+    """WELCOME: flags, requested rate, then the receiver's UCX worker address or,
+    with several (``RAILS``), a count and length-prefixed addresses."""
+    addrs = [addresses] if isinstance(addresses, bytes) else list(addresses)
+    if not 1 <= len(addrs) <= MAX_RAILS:
+        raise ProtocolError(f"a WELCOME carries 1..{MAX_RAILS} worker addresses, got {len(addrs)}")
+    if len(addrs) == 1:
+        body = addrs[0]
+    else:
+        flags |= WelcomeFlags.RAILS
+        body = bytes([len(addrs)]) + b"".join(_ADDRESS_LEN.pack(len(a)) + a for a in addrs)
+    return bytes([int(flags)]) + _RATE.pack(gbps, burst_bytes) + body
 
 
-def unpack_welcome(payload: bytes) -> tuple[bytes, float, int, WelcomeFlags]:
+def unpack_welcome(payload: bytes) -> tuple[tuple[bytes, ...], float, int, WelcomeFlags]:
+    """``(worker addresses, gbps, burst, flags)``; every length is checked."""
     head = 1 + _RATE.size
     if len(payload) < head + 1 or len(payload) > head + MAX_ADDRESS:
         raise ProtocolError(f"WELCOME payload of {len(payload)} bytes is out of range")
-    if payload[0] & ~int(WelcomeFlags.CHUNK_SUMS):
+    if payload[0] & ~int(WelcomeFlags.CHUNK_SUMS | WelcomeFlags.RAILS):
         raise ProtocolError(f"unknown WELCOME flags {payload[0]:#x}")
+    flags = WelcomeFlags(payload[0])
     gbps, burst = unpack_rate(payload[1:head])
-    return payload[head:], gbps, burst, WelcomeFlags(payload[0])
+    body = payload[head:]
+    if not flags & WelcomeFlags.RAILS:
+        return (body,), gbps, burst, flags
+    n, pos, addrs = body[0], 1, []
+    if not 2 <= n <= MAX_RAILS:
+        raise ProtocolError(f"WELCOME lists {n} worker addresses (2..{MAX_RAILS} with RAILS)")
+    for _ in range(n):
+        if pos + _ADDRESS_LEN.size > len(body):
+            raise ProtocolError("truncated WELCOME address list")
+        (length,) = _ADDRESS_LEN.unpack_from(body, pos)
+        pos += _ADDRESS_LEN.size
+        if length == 0 or pos + length > len(body):
+            raise ProtocolError("WELCOME address length does not match the frame")
+        addrs.append(body[pos:pos + length])
+        pos += length
+    if pos != len(body):
+        raise ProtocolError("trailing bytes after the WELCOME address list")
+    return tuple(addrs), gbps, burst, flags
 
 
 # -- handshake (see lynx_transport._auth) -------------------------------------------

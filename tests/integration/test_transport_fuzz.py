@@ -261,7 +261,7 @@ def data_plan(draw) -> list[tuple[int, int, int, str]]:
         st.sampled_from(["none", "right", "claims-full"])), min_size=0, max_size=6))
 
 
-def send_data(raw: RawPeer, address: bytes, tokens: dict[int, int],
+def send_data(raw: RawPeer, address: tuple[bytes, ...], tokens: dict[int, int],
               sent: dict[tuple[int, int], bytes], plan: list[tuple[int, int, int, str]]) -> None:
     """Chunks of arbitrary size and index, with or without (right or wrong) checksums."""
     streams = sorted(tokens.items())

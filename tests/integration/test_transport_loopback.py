@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig
-from lynx_transport.testing import PeerProcess, pattern, sender_server
+from lynx_transport.testing import PeerProcess, pattern, sender_server, wait_until
 
 pytestmark = pytest.mark.ucx
 
@@ -291,3 +291,37 @@ def test_holding_a_lane_no_region_travels_on_is_refused(loopback) -> None:
     specs, meta = make_specs([(4096, Lane.ANCHOR)], next(_counter))
     with pytest.raises(Exception, match="cannot hold lanes \\[1\\]"):
         peer.call("start", specs, meta, (int(Lane.RESIDUAL),))
+
+
+@pytest.mark.parametrize("rails", [1, 3])
+def test_receive_rails_each_take_their_share_and_stop_with_the_receiver(rails) -> None:
+    from lynx_transport.testing import RawPeer
+    from lynx_transport.wire import unpack_welcome
+
+    others = {t for t in threading.enumerate() if t.name.startswith("lynx-rx-rail")}
+
+    def rail_threads() -> list[str]:  # this receiver's (other tests' receivers may be alive)
+        return sorted(t.name for t in threading.enumerate()
+                      if t.name.startswith("lynx-rx-rail") and t not in others)
+
+    config = TransportConfig(chunk_bytes=64 * 1024, rails=rails)
+    pool = ReceivePool(8 << 20)
+    rx = Receiver(pool, config=config)
+    try:
+        assert rail_threads() == [f"lynx-rx-rail{i}" for i in range(1, rails)]
+        with RawPeer(rx.address) as raw:  # the WELCOME lists one UCX worker per rail
+            addresses, *_ = unpack_welcome(raw.handshake().payload)
+            assert len(addresses) == rails
+        # 2.5 MiB in 64 KiB chunks: every rail receives (chunk i on rail i % rails)
+        specs, meta = make_specs([(5 << 19, Lane.RESIDUAL), (70_000, Lane.ANCHOR)], next(_counter))
+        with PeerProcess(sender_server, rx.address, config) as peer:
+            assert peer.reply(60) == "connected"
+            assert peer.call("send", specs, meta, 30.0)["state"] == "completed"
+        stream = rx.next_stream(10)
+        stream.wait(10)
+        for name, n, _, seed in specs:
+            assert np.array_equal(stream.view(name), pattern(seed, n))
+        stream.release()
+    finally:
+        rx.close()
+    assert wait_until(lambda: not rail_threads(), 5)

@@ -70,10 +70,27 @@ def test_small_payload_helpers_round_trip_and_reject_wrong_sizes() -> None:
     assert wire.unpack_stream_token(wire.pack_stream_token(5, 9)) == (5, 9)
     assert wire.unpack_stream_text(wire.pack_stream_text(5, 2, "no room")) == (5, 2, "no room")
     assert wire.unpack_rate(wire.pack_rate(1.5, 4096)) == (1.5, 4096)
-    assert wire.unpack_welcome(wire.pack_welcome(b"addr", 0.0, 0)) == (b"addr", 0.0, 0, wire.WelcomeFlags.NONE)
+    assert wire.unpack_welcome(wire.pack_welcome(b"addr", 0.0, 0)) == ((b"addr",), 0.0, 0,
+                                                                      wire.WelcomeFlags.NONE)
     with pytest.raises(ProtocolError):
         wire.unpack_stream_lane(b"\x00" * 8)
     with pytest.raises(ProtocolError):
         wire.unpack_rate(wire.pack_rate(float("nan"), 1))
     with pytest.raises(ProtocolError):
         wire.unpack_stream_text(wire.pack_stream_text(5, 2, "abc")[:-1])
+
+
+def test_welcome_lists_the_receive_rails_and_rejects_a_bad_list() -> None:
+    addrs = (b"rail0", b"r1", b"rail-two")
+    payload = wire.pack_welcome(addrs, 1.0, 4096, wire.WelcomeFlags.CHUNK_SUMS)
+    assert wire.unpack_welcome(payload) == (addrs, 1.0, 4096,
+                                            wire.WelcomeFlags.CHUNK_SUMS | wire.WelcomeFlags.RAILS)
+    head = 1 + 16  # flags + rate
+    for bad, why in [(payload[:-1], "does not match"), (payload + b"x", "trailing"),
+                     (payload[:head] + bytes([1]) + payload[head + 1:], "addresses"),
+                     (payload[:head] + bytes([wire.MAX_RAILS + 1]) + payload[head + 1:], "addresses"),
+                     (payload[:head + 1] + b"\x00\x00" + payload[head + 3:], "does not match")]:
+        with pytest.raises(ProtocolError, match=why):
+            wire.unpack_welcome(bad)
+    with pytest.raises(ProtocolError, match="1..8 worker addresses"):
+        wire.pack_welcome([b"a"] * (wire.MAX_RAILS + 1), 0.0, 0)
