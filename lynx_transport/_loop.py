@@ -128,6 +128,11 @@ class IoLoop:
         """One round of work: ``(made_progress, ucx_pending, next_deadline)``."""
         raise NotImplementedError
 
+    def eager(self) -> bool:
+        """Whether pending requests deserve polling now (default: yes); False lets the
+        loop sleep on the worker's epoll fd at once, waking on the next UCX event."""
+        return True
+
     def shutdown(self) -> None:
         """Called on the I/O thread when the loop ends (close sockets, fail streams)."""
 
@@ -191,7 +196,7 @@ class IoLoop:
                 now = self.clock.now()
                 timeout = 1.0 if deadline is None else max(0.0, deadline - now)
                 if pending:
-                    if time.perf_counter() - last_progress < _POLL_WINDOW_S:
+                    if self.eager() and time.perf_counter() - last_progress < _POLL_WINDOW_S:
                         if n % _SOCKET_POLL_EVERY == 0:
                             self._select(0)
                         time.sleep(min(_NAP_S, timeout))

@@ -317,6 +317,12 @@ class _TxLoop(IoLoop):
                 progressed = True
         return progressed, bool(self.inflight), self.housekeeping(now)
 
+    def eager(self) -> bool:
+        # A deep window of sends keeps the link busy by itself: sleep until UCX
+        # reports progress instead of polling (the receiver's copy threads need
+        # the cores); poll again once the window is half empty.
+        return self.sched.inflight_bytes * 2 <= self.sched.max_inflight_bytes
+
     def housekeeping(self, now: float) -> float | None:
         if self.quarantine:
             self.quarantine = [(t, reqs) for t, reqs in self.quarantine if t > now]
