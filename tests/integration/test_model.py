@@ -151,6 +151,28 @@ def test_verify_pass_matches_one_token_steps_and_crop_rolls_back(model: HFCausal
         cache.crop(cache.num_tokens + 1)
 
 
+def test_grouped_query_attention_equals_transformers_sdpa_bit_for_bit(
+        model: HFCausalLM, ids: list[int], prefill) -> None:  # noqa: ANN001
+    from lynx_decode.model import attention
+
+    assert model._model.config._attn_implementation == attention.NAME
+    tokens = [ids[-1], *ids[5:12]]  # a multi-token pass: a mask, so sdpa would repeat K/V
+
+    def run() -> tuple[np.ndarray, np.ndarray]:
+        cache = model.cache_from(KVBuffers.from_layers(list(prefill.kv.keys),
+                                                       list(prefill.kv.values), headroom=16))
+        return model.forward(cache, tokens), model.forward(cache, [ids[3]])
+
+    ours = run()
+    model._model.set_attn_implementation("sdpa")
+    try:
+        theirs = run()
+    finally:
+        model._model.set_attn_implementation(attention.NAME)
+    for a, b in zip(ours, theirs):
+        assert np.array_equal(a, b)
+
+
 def test_prefill_is_chunked_consistently(model: HFCausalLM, monkeypatch: pytest.MonkeyPatch,
                                          ids: list[int], prefill) -> None:  # noqa: ANN001
     import lynx_decode.model.hf as hf
