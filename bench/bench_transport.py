@@ -15,8 +15,11 @@ from the first byte handed over to the receiver's confirmation):
 host) its receiver copies from the kernel's shared zero page, which stays in
 cache, so it runs ~1.3-1.5x faster than a copy of real memory (measured here:
 raw ucxx 53-55 Gbit/s from a written buffer, 68-75 from an untouched one).
-``lynx_gbps`` and ``ucxx_gbps`` therefore send from an untouched buffer too, so
-``lynx_vs_ucx_perftest`` compares like with like; ``lynx_vs_asyncio_tcp`` uses
+``lynx_gbps`` and ``ucxx_gbps`` therefore send from an untouched buffer too, kept
+off transparent huge pages like perftest's malloc'd one (a never-written huge
+page reads the 2 MiB huge zero page, which is not cache-resident: 67-96 Gbit/s
+against 100-135 for a bare cma copy here), so ``lynx_vs_ucx_perftest`` compares
+like with like; ``lynx_vs_asyncio_tcp`` uses
 ``lynx_written_gbps``. The receive side is written memory for every backend
 (Lynx's pre-faulted pool; the baselines' buffers after their first message).
 * ``anchor_under_load_ratio`` - a stream's anchor lane completion time while a
