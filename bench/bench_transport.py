@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-kib", type=int, default=None,
                         help="Lynx chunk size (default: TransportConfig's, 1024)")
     parser.add_argument("--inflight-mib", type=int, default=None,
-                        help="Lynx bytes-in-flight bound (default: TransportConfig's, 16)")
+                        help="Lynx bytes-in-flight bound (default: TransportConfig's, 32)")
     parser.add_argument("--rails", type=int, default=None,
                         help="Lynx receive rails (default: TransportConfig's, 2)")
     parser.add_argument("--tls", default=None,
