@@ -11,17 +11,21 @@ from the first byte handed over to the receiver's confirmation):
 * ``lynx_written_gbps`` / ``ucxx_written_gbps`` - the same from a written buffer;
 * ``asyncio_tcp_gbps`` - plain asyncio TCP sockets (a written buffer);
 
-``ucx_perftest`` never writes its buffers: over cma (the default path on one
+``ucx_perftest`` never writes its send buffer: over cma (the default path on one
 host) its receiver copies from the kernel's shared zero page, which stays in
 cache, so it runs ~1.3-1.5x faster than a copy of real memory (measured here:
 raw ucxx 53-55 Gbit/s from a written buffer, 68-75 from an untouched one).
-``lynx_gbps`` and ``ucxx_gbps`` therefore send from an untouched buffer too, kept
-off transparent huge pages like perftest's malloc'd one (a never-written huge
-page reads the 2 MiB huge zero page, which is not cache-resident: 67-96 Gbit/s
-against 100-135 for a bare cma copy here), so ``lynx_vs_ucx_perftest`` compares
-like with like; ``lynx_vs_asyncio_tcp`` uses
+``lynx_gbps`` and ``ucxx_gbps`` therefore send from an untouched buffer too,
+huge-page eligible like perftest's (UCX's allocator madvises its buffers; a
+never-written huge page reads the 2 MiB huge zero page, a 4 KiB one the 4 KiB
+zero page, which copies ~25% faster: match both), so ``lynx_vs_ucx_perftest``
+compares like with like; ``lynx_vs_asyncio_tcp`` uses
 ``lynx_written_gbps``. The receive side is written memory for every backend
 (Lynx's pre-faulted pool; the baselines' buffers after their first message).
+Every timed group of messages (and ``ucx_perftest``'s timed iterations) follows
+``WARM_UP_S`` of the same sends: this VM speeds up over ~50 ms of steady
+traffic (raw ucxx rose 60 -> 96 Gbit/s over five back-to-back messages).
+
 * ``anchor_under_load_ratio`` - a stream's anchor lane completion time while a
   residual stream saturates a shaped link, over the ideal ``anchor bytes / rate``;
 * ``shaping_error`` - worst ``|achieved - configured| / configured`` over the
@@ -76,6 +80,19 @@ TARGETS = {
 }
 
 
+#: Seconds of sends each timed group of messages is preceded by.
+WARM_UP_S = 0.1
+
+
+def _timed(send: Any, messages: int) -> list[Any]:
+    """``send()`` for WARM_UP_S (at least once), then the results of ``messages`` more."""
+    end = time.perf_counter() + WARM_UP_S
+    send()
+    while time.perf_counter() < end:
+        send()
+    return [send() for _ in range(messages)]
+
+
 def _median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes * 8 / statistics.median(seconds) / 1e9 if seconds else float("nan")
 
@@ -127,27 +144,29 @@ def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         tcp = base.tcp_send(tuple(tcp_peer.reply(60)), nbytes)
         for r in range(rounds):
             say(f"round {r + 1}/{rounds}: throughput")
-            for warm in (True, False):
-                n = 1 if warm else messages
-                for suffix, seed in sources.items():
-                    specs = [("msg", nbytes, Lane.RESIDUAL, seed)]
-                    for _ in range(n):
-                        res = lynx_peer.call("send", specs, b"", 60.0)
-                        if res["state"] != "completed":
-                            raise RuntimeError(f"lynx stream failed: {res['error']}")
-                        if not warm:
-                            times["lynx" + suffix].append(res["data_s"])
-                            if not suffix:
-                                lynx_e2e.append(res["total_s"])
-                    for _ in range(n):
-                        t = raw.send(ucxx_peer, seed)
-                        if not warm:
-                            times["ucxx" + suffix].append(t)
-                for _ in range(n):
-                    t = tcp.send()
-                    if not warm:
-                        times["asyncio_tcp"].append(t)
-            perftest.append(base.ucx_perftest_gbps(nbytes, max(messages, 5) * 2, args.tls))
+            # each group warms up right before its timed messages, for WARM_UP_S of
+            # sends (this VM speeds up over ~50 ms of steady traffic; ucx_perftest
+            # too warms up right before its timed iterations)
+            for suffix, seed in sources.items():
+                specs = [("msg", nbytes, Lane.RESIDUAL, seed)]
+
+                def lynx_send(specs: list = specs) -> dict[str, Any]:
+                    res = lynx_peer.call("send", specs, b"", 60.0)
+                    if res["state"] != "completed":
+                        raise RuntimeError(f"lynx stream failed: {res['error']}")
+                    return res
+
+                timed = _timed(lynx_send, messages)
+                times["lynx" + suffix] += [res["data_s"] for res in timed]
+                if not suffix:
+                    lynx_e2e.extend(res["total_s"] for res in timed)
+                times["ucxx" + suffix] += _timed(lambda seed=seed: raw.send(ucxx_peer, seed),
+                                                 messages)
+            times["asyncio_tcp"] += _timed(tcp.send, messages)
+            # the same warm-up as the others: WARM_UP_S of sends at ~10 GB/s
+            warmup = max(1, round(WARM_UP_S * 10e9 / nbytes))
+            perftest.append(base.ucx_perftest_gbps(nbytes, max(messages, 5) * 2, args.tls,
+                                                   warmup=warmup))
         sender_stats = lynx_peer.call("stats")
         receiver_stats = rx.stats()
 

@@ -166,8 +166,10 @@ def perftest_binary() -> tuple[pathlib.Path, dict[str, str]] | None:
     return binary, env
 
 
-def ucx_perftest_gbps(nbytes: int, iterations: int, tls: str, timeout: float = 120.0) -> float:
-    """``ucx_perftest -t tag_bw`` between two processes on loopback; decimal Gbit/s."""
+def ucx_perftest_gbps(nbytes: int, iterations: int, tls: str, timeout: float = 120.0,
+                      warmup: int = 1) -> float:
+    """``ucx_perftest -t tag_bw`` between two processes on loopback, ``warmup`` untimed
+    iterations first; decimal Gbit/s."""
     found = perftest_binary()
     if found is None:
         raise FileNotFoundError("ucx_perftest is not in the libucx wheel")
@@ -178,7 +180,8 @@ def ucx_perftest_gbps(nbytes: int, iterations: int, tls: str, timeout: float = 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["-t", "tag_bw", "-s", str(nbytes), "-n", str(iterations), "-p", str(port)]
+    args = ["-t", "tag_bw", "-s", str(nbytes), "-n", str(iterations), "-w", str(warmup),
+            "-p", str(port)]
     server = subprocess.Popen([str(binary), *args], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:

@@ -21,19 +21,16 @@ __all__ = ["PoolMemory", "ReceivePool"]
 
 ALIGNMENT = 256
 HUGE_PAGE = 2 << 20  # host buffers start on a 2 MiB boundary, so THP can back all of them
-_MADV_NOHUGEPAGE = 15  # <sys/mman.h> on Linux
 
 
 def host_buffer(nbytes: int, *, touch: bool) -> Any:
     """``nbytes`` zero bytes of host memory (NumPy ``uint8``) starting on a 2 MiB boundary.
 
     ``touch``: write every page now, so later writes (a transfer landing) take no
-    first-touch page faults. Without it the pages are never written (calloc'd)
-    and kept off transparent huge pages: reads map the kernel's shared 4 KiB
-    zero page, like ``ucx_perftest``'s (malloc'd) buffers. (NumPy asks for huge
-    pages for large arrays, and a never-written huge-page region reads the 2 MiB
-    huge zero page instead, which is not cache-resident: cma copies from it
-    measured 67-96 Gbit/s here against 100-135 from the 4 KiB one.)
+    first-touch page faults. Without it the pages are never written (calloc'd):
+    reads map the kernel's zero page - the 2 MiB huge zero page, as NumPy asks
+    for transparent huge pages for large arrays - like ``ucx_perftest``'s buffers
+    (UCX's allocator makes them huge-page eligible too; checked in its smaps).
     """
     import numpy as np  # noqa: PLC0415
 
@@ -42,21 +39,7 @@ def host_buffer(nbytes: int, *, touch: bool) -> Any:
     out = raw[start:start + nbytes]
     if touch:
         out.fill(0)
-    elif nbytes:
-        _no_huge_pages(out)
     return out
-
-
-def _no_huge_pages(buf: Any) -> None:
-    """``madvise(MADV_NOHUGEPAGE)`` on a page-aligned buffer (Linux; a no-op elsewhere)."""
-    import ctypes  # noqa: PLC0415
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(buf.nbytes),
-                     _MADV_NOHUGEPAGE)
-    except (OSError, AttributeError):
-        pass
 
 
 class PoolMemory(enum.Enum):

@@ -90,8 +90,8 @@ def pattern(seed: int, nbytes: int) -> Any:
     A negative seed gives zeros, for throughput runs that do not check bytes:
     ``WRITTEN_ZEROS`` (-1) writes every page, like real data; ``UNTOUCHED``
     (-2) allocates and never writes, like ``ucx_perftest``'s buffers: a peer's
-    first read (cma) maps the kernel's shared zero page everywhere, and later
-    reads of that one cache-resident page copy faster than real memory.
+    first read (cma) maps the kernel's shared (huge) zero page everywhere, and
+    later reads of that one page copy faster than real memory.
     """
     import numpy as np  # noqa: PLC0415
 
