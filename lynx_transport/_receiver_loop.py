@@ -30,7 +30,7 @@ from lynx_transport.stats import LaneCounters, TransportStats
 from lynx_transport.wire import (NONCE_BYTES, Frame, FrameType, HelloFlags, OversizedFrame,
                                  RejectReason, WelcomeFlags, pack_challenge, pack_stream_lane,
                                  pack_stream_text, pack_stream_token, pack_u64, pack_welcome,
-                                 unpack_chunk_sum, unpack_hello, unpack_proof,
+                                 rail_of, unpack_chunk_sum, unpack_hello, unpack_proof,
                                  unpack_stream_text, unpack_u64)
 
 if TYPE_CHECKING:
@@ -328,33 +328,32 @@ class RxLoop(IoLoop):
         pool = self.o.pool
         base = rx.token << 32
         n_rails = 1 + len(self.rails)
-        handed: list[list[tuple[Any, int]]] = [[] for _ in self.rails]
-        later: list[list[_Pending]] = [[] for _ in self.rails]
+        # (pending, view) of the chunks each extra rail posts on its own thread
+        handed: list[list[tuple[_Pending, Any]]] = [[] for _ in self.rails]
         for i, (r, first) in enumerate(zip(regions, manifest.first_chunk_indices())):
             q = rx.pending[r.lane]
             for k, off in enumerate(range(0, r.nbytes, cb)):
                 n, index = min(cb, r.nbytes - off), first + k
-                rail = index % n_rails  # the sender picks the same endpoint
+                rail = rail_of(index, n_rails)  # the sender picks the same endpoint
                 view = pool.view(r.offset + off, n)
+                p = _Pending(None, i, off, n, index, r.lane, rail)
                 if rail:
-                    handed[rail - 1].append((view, base | index))
-                    p = _Pending(None, i, off, n, index, r.lane, rail)
-                    later[rail - 1].append(p)
+                    handed[rail - 1].append((p, view))
                 else:
                     try:
-                        req = self.worker.tag_recv(view, base | index)
+                        p.request = self.worker.tag_recv(view, base | index)
                     except Exception as exc:
                         raise TransportError(f"cannot post a UCX receive: {exc}") from exc
-                    p = _Pending(req, i, off, n, index, r.lane)
                 q.append(p)
-        for rail, receives, pendings in zip(self.rails, handed, later):
-            if not receives:
+        for rail, chunks in zip(self.rails, handed):
+            if not chunks:
                 continue
+            receives = [(view, base | p.index) for p, view in chunks]
             try:
                 requests = rail.run(lambda rail=rail, receives=receives: rail.post(receives), 5.0)
             except Exception as exc:
                 raise TransportError(f"cannot post UCX receives on a receive rail: {exc}") from exc
-            for p, req in zip(pendings, requests):
+            for (p, _), req in zip(chunks, requests):
                 p.request = req
 
     def finish_empty(self, rx: _RxStream) -> None:

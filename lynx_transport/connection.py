@@ -47,7 +47,7 @@ from lynx_transport.send_stream import SendStream
 from lynx_transport.shaper import Rate, Shaper
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
-from lynx_transport.wire import (NONCE_BYTES, Frame, FrameDecoder, FrameType, HelloFlags,
+from lynx_transport.wire import (NONCE_BYTES, rail_of, Frame, FrameDecoder, FrameType, HelloFlags,
                                  OversizedFrame, RejectReason, WelcomeFlags, encode_frame,
                                  pack_chunk_sum, pack_hello, pack_u64, unpack_challenge, unpack_rate,
                                  unpack_stream_lane, unpack_stream_text, unpack_stream_token,
@@ -82,7 +82,7 @@ class _TxLoop(IoLoop):
         self.o = owner
         self.inflight: list[tuple[Any, Chunk, _TxStream]] = []
         self.quarantine: list[tuple[float, list[Any]]] = []
-        # one endpoint per receive rail; chunk i goes to rail i % rails (see _receiver_rail)
+        # one endpoint per receive rail (see wire.rail_of, _receiver_rail)
         self.eps: list[Any] = []
         try:
             for address in addresses:
@@ -304,8 +304,8 @@ class _TxLoop(IoLoop):
                         self.break_connection(exc)
                         return True, False, None
                 try:
-                    req = self.worker.tag_send(self.eps[chunk.index % len(self.eps)], view,
-                                               (tx.token << 32) | chunk.index)
+                    req = self.worker.tag_send(self.eps[rail_of(chunk.index, len(self.eps))],
+                                               view, (tx.token << 32) | chunk.index)
                 except Exception as exc:  # noqa: BLE001 - mapped and reported
                     self.sched.complete(chunk)
                     self.break_connection(TransportError(f"UCX send failed: {exc}"))

@@ -433,7 +433,7 @@ class RawDataPath:
         self.worker = UcxWorker(tls, net_devices)
         addresses = ([worker_addresses] if isinstance(worker_addresses, bytes)
                      else list(worker_addresses))
-        # like a real sender: chunk i (the tag's low 32 bits) goes to receive rail i % rails
+        # like a real sender: one endpoint per receive rail (wire.rail_of)
         self.eps = [self.worker.endpoint(a) for a in addresses]
         self._keep: list[Any] = []
 
@@ -442,7 +442,10 @@ class RawDataPath:
         from lynx_transport._ucx import as_bytes_view, check  # noqa: PLC0415
 
         view = as_bytes_view(data)
-        req = self.worker.tag_send(self.eps[(tag & 0xFFFFFFFF) % len(self.eps)], view, tag)
+        from lynx_transport.wire import rail_of  # noqa: PLC0415
+
+        # the tag's low 32 bits are the chunk index
+        req = self.worker.tag_send(self.eps[rail_of(tag & 0xFFFFFFFF, len(self.eps))], view, tag)
         deadline = time.monotonic() + timeout
         while not req.completed:
             self.worker.progress()

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from lynx_transport.errors import ProtocolError
 
 __all__ = [
-    "WIRE_MAGIC", "WIRE_VERSION", "MAX_RAILS", "HEADER", "FrameType", "Frame", "OversizedFrame",
+    "WIRE_MAGIC", "WIRE_VERSION", "MAX_RAILS", "rail_of", "HEADER", "FrameType", "Frame", "OversizedFrame",
     "FrameDecoder", "encode_frame", "RejectReason",
     "pack_u64", "unpack_u64", "pack_stream_lane", "unpack_stream_lane",
     "pack_stream_token", "unpack_stream_token", "pack_stream_text", "unpack_stream_text",
@@ -47,6 +47,12 @@ MAX_TEXT = 1024
 MAX_ADDRESS = 64 * 1024
 #: Most receive rails (UCX workers) a receiver announces.
 MAX_RAILS = 8
+
+
+def rail_of(chunk_index: int, rails: int) -> int:
+    """The receive rail chunk ``chunk_index`` of a stream travels on: its WELCOME address
+    and the receiver's worker for it are the ``rails``-long list's entry at this index."""
+    return chunk_index % rails
 
 
 class FrameType(enum.IntEnum):
