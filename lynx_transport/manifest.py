@@ -15,6 +15,7 @@ Every failure is a :class:`~lynx_transport.errors.ManifestError`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 
 from lynx_transport.errors import ManifestError
@@ -76,6 +77,11 @@ class Manifest:
 
     def first_chunk_indices(self) -> tuple[int, ...]:
         """Index of each region's first chunk (chunks are numbered in manifest order)."""
+        return self._first_chunks
+
+    @functools.cached_property
+    def _first_chunks(self) -> tuple[int, ...]:
+        # computed once: the sender asks for it on every supplied region
         out, n = [], 0
         for r in self.regions:
             out.append(n)
