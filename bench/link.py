@@ -45,7 +45,8 @@ from lynx_transport.errors import LinkError
 
 from .link_config import LinkConfig, PortRange, Side
 from .link_status import LinkStatus, inspect_link
-from .link_sys import delete_namespace, namespaces, netem_available, require_root, sh
+from .link_sys import (delete_namespace, namespaces, netem_available, require_root, sh,
+                       wait_carrier)
 
 __all__ = ["Link", "teardown", "DEFAULT_CLASS", "lane_class"]
 
@@ -88,7 +89,8 @@ class Link:
     # -- lifetime -----------------------------------------------------------------
 
     def up(self) -> Link:
-        """Create namespaces, veth pair, addresses and qdiscs.
+        """Create namespaces, veth pair, addresses and qdiscs; return once both veth
+        ends report carrier (UCX's tcp transport skips a device without it).
 
         Raises :class:`LinkError` when not root, when delay/loss/jitter are asked for
         and the kernel has no netem, when a link with this prefix already exists,
@@ -149,6 +151,8 @@ class Link:
             sh(["ip", "-n", ns, "link", "set", "lo", "up"])
             sh(["ip", "-n", ns, "link", "set", dev, "up"])
             self._shape(ns, dev)
+        for side in Side:  # UCX's tcp transport only lists devices whose carrier is on
+            wait_carrier(cfg.namespace(side), cfg.device(side))
 
     def _shape(self, ns: str, dev: str) -> None:
         cfg = self._config

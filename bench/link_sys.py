@@ -26,6 +26,7 @@ __all__ = [
     "netns_pids",
     "netem_available",
     "delete_namespace",
+    "wait_carrier",
 ]
 
 _log = logging.getLogger("lynx_bench.link")
@@ -120,3 +121,28 @@ def netem_available() -> bool:
     finally:
         if probe in namespaces():
             sh(["ip", "netns", "delete", probe])
+
+
+def wait_carrier(namespace: str, device: str, timeout: float = 5.0) -> float:
+    """Wait until ``device`` in ``namespace`` reports operstate ``UP``; return the seconds waited.
+
+    ``ip link set dev up`` returns before the kernel's link watcher marks the veth's
+    carrier on (up to about a second later), and until then UCX's tcp transport
+    skips the device ("No such device"). Raises :class:`LinkError` after ``timeout``.
+    """
+    start = time.monotonic()
+    state = "?"
+    while True:
+        out = sh(["ip", "-n", namespace, "-j", "link", "show", "dev", device]).stdout
+        try:
+            state = str(json.loads(out)[0].get("operstate", "?"))
+        except (ValueError, IndexError, TypeError, AttributeError) as exc:
+            raise LinkError(f"cannot read `ip -j link show dev {device}` output: "
+                            f"{out[:200]!r}") from exc
+        waited = time.monotonic() - start
+        if state == "UP":
+            return waited
+        if waited >= timeout:
+            raise LinkError(f"{device} in namespace {namespace} is still {state} "
+                            f"{timeout:g} s after it was set up")
+        time.sleep(0.01)

@@ -54,11 +54,11 @@ class IoLoop:
 
     def __init__(self, name: str, tls: str, clock: Clock,
                  thread_init: Callable[[], None] | None = None, net_devices: str = "all",
-                 nice: int = 0) -> None:
+                 nice: int = 0, worker: UcxWorker | None = None) -> None:
         self.clock = clock
         self._thread_init = thread_init
         self._nice = nice
-        self.worker = UcxWorker(tls, net_devices)
+        self.worker = worker if worker is not None else UcxWorker(tls, net_devices)
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)

@@ -35,6 +35,7 @@ from typing import Any
 from lynx_transport import _auth, _ucx
 from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
+from lynx_transport._ucx import UcxWorker
 from lynx_transport.clock import Clock, MonotonicClock
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (AuthenticationError, ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
@@ -74,10 +75,10 @@ class _TxStream:
 
 
 class _TxLoop(IoLoop):
-    def __init__(self, owner: Connection, sock: socket.socket, addresses: tuple[bytes, ...]) -> None:
+    def __init__(self, owner: Connection, sock: socket.socket, addresses: tuple[bytes, ...],
+                 worker: UcxWorker) -> None:
         super().__init__("lynx-tx-io", owner.config.ucx_tls, owner.clock,
-                         net_devices=owner.config.ucx_net_devices or "all",
-                         nice=owner.config.thread_nice)
+                         nice=owner.config.thread_nice, worker=worker)
         cfg = owner.config
         self.o = owner
         self.inflight: list[tuple[Any, Chunk, _TxStream]] = []
@@ -384,13 +385,14 @@ class Connection:
     """A connection to one receiver. Create it with :func:`connect`."""
 
     def __init__(self, sock: socket.socket, addresses: tuple[bytes, ...], peer_rate: Rate | None,
-                 config: TransportConfig, clock: Clock, chunk_sums: bool = False) -> None:
+                 config: TransportConfig, clock: Clock, worker: UcxWorker,
+                 chunk_sums: bool = False) -> None:
         self.config = config
         self.clock = clock
         self._chunk_sums = chunk_sums
         self._ids = itertools.count(1)
         self._closed = False
-        self._loop = _TxLoop(self, sock, addresses)
+        self._loop = _TxLoop(self, sock, addresses, worker)
         if peer_rate is not None:
             self._loop.shaper.set_peer_rate(peer_rate)
         self._loop.start()
@@ -524,27 +526,29 @@ def connect(address: tuple[str, int], *, timeout: float = 5.0,
             config: TransportConfig | None = None, clock: Clock | None = None) -> Connection:
     """Connect to a :class:`~lynx_transport.receiver.Receiver` at ``(host, port)``.
 
-    Raises :class:`ConnectError` if nobody listens, the handshake fails, or it
-    does not finish within ``timeout`` seconds; :class:`AuthenticationError`
+    UCX starts first (a process's first start takes about a second, not counted
+    in ``timeout``). Raises :class:`ConnectError` if nobody listens, the handshake
+    fails, or it does not finish within ``timeout`` seconds; :class:`AuthenticationError`
     (a ``ConnectError``) when ``config.secret`` and the receiver's disagree.
     """
     config = config if config is not None else TransportConfig()
     clock = clock if clock is not None else MonotonicClock()
+    # UCX starts before the handshake: a process's first UCX context takes ~1 s
+    # (more on a loaded host), and once welcomed the receiver counts silence.
+    worker = UcxWorker(config.ucx_tls, config.ucx_net_devices or "all")
     deadline = clock.now() + timeout
     try:
-        sock = socket.create_connection(address, timeout=timeout)
+        sock = socket.create_connection(address, timeout=max(0.001, deadline - clock.now()))
     except OSError as exc:
+        worker.close()
         raise ConnectError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
     try:
         ucx_addresses, peer_rate, wflags = _handshake(sock, deadline, clock, config.secret)
-        return Connection(sock, ucx_addresses, peer_rate, config, clock,
+        return Connection(sock, ucx_addresses, peer_rate, config, clock, worker,
                           chunk_sums=bool(wflags & WelcomeFlags.CHUNK_SUMS))
-    except AuthenticationError:
+    except BaseException as exc:
         sock.close()
-        raise
-    except (OSError, ProtocolError) as exc:
-        sock.close()
-        raise ConnectError(f"handshake with {address[0]}:{address[1]} failed: {exc}") from exc
-    except BaseException:
-        sock.close()
+        worker.close()
+        if isinstance(exc, (OSError, ProtocolError)):
+            raise ConnectError(f"handshake with {address[0]}:{address[1]} failed: {exc}") from exc
         raise

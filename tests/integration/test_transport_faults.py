@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -292,3 +294,30 @@ def test_a_welcome_with_a_garbage_worker_address_is_a_connect_error() -> None:
         with pytest.raises(ConnectError, match="malformed"):
             connect(address, timeout=5)
     assert _lynx_threads() == []
+
+
+COLD_SENDER = r"""
+import sys
+import numpy as np
+from lynx_transport import Lane, TransportConfig, connect
+cfg = TransportConfig(heartbeat_interval_s=0.1, peer_timeout_s=0.5)
+with connect(("127.0.0.1", int(sys.argv[1])), timeout=10, config=cfg) as conn:
+    conn.send_stream([("a", np.arange(1 << 20, dtype=np.uint8), Lane.ANCHOR)]).wait(10)
+print("sent")
+"""
+
+
+def test_a_sender_in_a_fresh_process_is_not_silent_after_the_handshake() -> None:
+    """A process's first UCX start takes most of a second; it happens before the
+    handshake, so a receiver counting silence from its WELCOME (0.5 s here) keeps
+    the connection."""
+    cfg = TransportConfig(heartbeat_interval_s=0.1, peer_timeout_s=0.5)
+    got: list[bytes] = []
+    with start_receiver(ReceivePool(16 << 20), cfg,
+                        on_stream_complete=lambda s: (got.append(bytes(s.view("a")[:4])),
+                                                      s.release())) as rx:
+        child = subprocess.run([sys.executable, "-c", COLD_SENDER, str(rx.address[1])],
+                               capture_output=True, text=True, timeout=60)
+        assert child.returncode == 0, child.stderr
+        assert "sent" in child.stdout
+        assert got == [bytes([0, 1, 2, 3])]
