@@ -90,11 +90,16 @@ def test_first_step_on_a_filling_cache_waits_per_layer_and_equals_the_filled_one
     import threading
     import time
 
+    import torch
+
     filling = KVBuffers(prefill.kv.shape)
     waited: list[tuple[int, bool]] = []
+    threads = torch.get_num_threads()
+    during: set[int] = set()
 
     def wait(i: int) -> None:
         waited.append((i, bool(filling.missing_layers())))
+        during.add(torch.get_num_threads())
         filling.wait_layer(i, 30.0)
 
     def land() -> None:  # layers arrive one by one, as from the transport
@@ -109,6 +114,9 @@ def test_first_step_on_a_filling_cache_waits_per_layer_and_equals_the_filled_one
     thread.join()
     assert [i for i, _ in waited] == list(range(prefill.kv.shape.num_layers))
     assert waited[0][1]  # the pass started while layers were still missing
+    # one core left to the transport while the cache arrives, torch's setting back after
+    assert during == {max(1, threads - 1)}
+    assert torch.get_num_threads() == threads
     ref = model.forward(model.cache_from(prefill.kv), [ids[-1]])
     np.testing.assert_array_equal(logits, ref)
     with pytest.raises(DecodeError, match="have not been written"):
@@ -255,3 +263,8 @@ def test_prefill_cache_with_the_real_model(model: HFCausalLM, ids: list[int], pr
     logits = model.forward(model.cache_from(hit.prefill.kv), [ids[-1]])
     ref = model.forward(model.cache_from(prefill.kv), [ids[-1]])
     np.testing.assert_array_equal(logits, ref)
+
+
+def test_streaming_threads_must_be_positive(model: HFCausalLM) -> None:
+    with pytest.raises(DecodeError, match="streaming_threads"):
+        HFCausalLM(model._model, model._tokenizer, model.info.model_id, streaming_threads=0)
