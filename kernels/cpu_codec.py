@@ -33,11 +33,14 @@ from lynx_kernels._nt import f16_round, f16_widen
 from lynx_kernels.cpu_pack import _pack_word, _unpack_word
 
 __all__ = [
-    "ENC_INT8", "ENC_INT4", "ENC_LYNX", "DEC_INT8", "DEC_INT4", "DEC_ANCHOR", "DEC_FULL",
+    "ENC_INT8", "ENC_INT4", "ENC_LYNX", "ENC_ANCHOR", "ENC_RESIDUAL", "DEC_INT8", "DEC_INT4", "DEC_ANCHOR", "DEC_FULL",
     "encode_k", "encode_v", "decode_k", "decode_v", "to_bf16", "from_bf16", "f16_bits", "f16_value",
 ]  # fmt: skip
 
 ENC_INT8, ENC_INT4, ENC_LYNX = 0, 1, 2
+#: LYNX, one stream at a time: the anchors (with the scales), or the residuals alone
+#: (scale/zero still written, into whatever arrays are passed). Same bits as ENC_LYNX.
+ENC_ANCHOR, ENC_RESIDUAL = 3, 4
 DEC_INT8, DEC_INT4, DEC_ANCHOR, DEC_FULL = 0, 1, 2, 3
 
 _REP = 0x0101010101010101
@@ -160,11 +163,12 @@ def _nonfinite(xu):  # pragma: no cover - compiled
 
 
 @njit(inline="always", cache=True)
-def _pack_blocks(win, nb, dst, b0, w):  # pragma: no cover - compiled
+def _pack_blocks(win, nb, dst, b0, w, shift):  # pragma: no cover - compiled
+    # the w bits above the lowest ``shift`` of each value
     mask = np.uint64((1 << w) - 1) * np.uint64(_REP)
     for j in range(nb):
         for m in range(w):
-            dst[(b0 + j) * w + m] = _pack_word(win, j * 8, 0, mask, w, m)
+            dst[(b0 + j) * w + m] = _pack_word(win, j * 8, shift, mask, w, m)
 
 
 @njit(inline="always", cache=True)
@@ -182,7 +186,11 @@ def _split_blocks(win, nb, anchor, residual, b0, wa, wr):  # pragma: no cover - 
 def _emit(win, nb, mode, bits, anchor, residual, b0):  # pragma: no cover - compiled
     # pack nb whole blocks of the window as blocks b0.. of the wire regions
     if mode == ENC_INT4:
-        _pack_blocks(win, nb, anchor, b0, 4)
+        _pack_blocks(win, nb, anchor, b0, 4, 0)
+    elif mode == ENC_ANCHOR:
+        _one_stream_blocks(win, nb, bits, anchor, b0, True)
+    elif mode == ENC_RESIDUAL:
+        _one_stream_blocks(win, nb, bits, residual, b0, False)
     elif bits == 4:
         _split_blocks(win, nb, anchor, residual, b0, 4, 4)
     elif bits == 2:
@@ -193,6 +201,24 @@ def _emit(win, nb, mode, bits, anchor, residual, b0):  # pragma: no cover - comp
         _split_blocks(win, nb, anchor, residual, b0, 5, 3)
     else:
         _split_blocks(win, nb, anchor, residual, b0, 6, 2)
+
+
+@njit(inline="always", cache=True)
+def _one_stream_blocks(win, nb, bits, dst, b0, anchor):  # pragma: no cover - compiled
+    # LYNX, one stream (ENC_ANCHOR / ENC_RESIDUAL): the top ``bits`` of each code,
+    # or the low ``8 - bits``; the width is a literal in each branch
+    w = bits if anchor else 8 - bits
+    shift = 8 - bits if anchor else 0
+    if w == 4:
+        _pack_blocks(win, nb, dst, b0, 4, shift)
+    elif w == 2:
+        _pack_blocks(win, nb, dst, b0, 2, shift)
+    elif w == 3:
+        _pack_blocks(win, nb, dst, b0, 3, shift)
+    elif w == 5:
+        _pack_blocks(win, nb, dst, b0, 5, shift)
+    else:
+        _pack_blocks(win, nb, dst, b0, 6, shift)
 
 
 @njit(cache=True)

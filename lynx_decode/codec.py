@@ -47,7 +47,7 @@ selectable for the speculative-decoding comparison.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,41 +84,73 @@ def _view(buf: Any, layout: LayerLayout, name: str, xp: Any) -> Any:
     return raw.view(xp.uint16 if r.dtype is DType.BFLOAT16 else xp.float16).reshape(r.shape)
 
 
-def encode_layer(k: Any, v: Any, config: CodecConfig = CodecConfig(), *, backend: Backend = Backend.AUTO) -> EncodedLayer:
+def encode_layer(k: Any, v: Any, config: CodecConfig = CodecConfig(), *, backend: Backend = Backend.AUTO,
+                 streams: Iterable[Stream] | None = None) -> EncodedLayer:
     """Encode one layer's K and V (``[kv_heads, tokens, head_dim]``, fp32/fp16/bf16,
     NumPy/CuPy arrays or torch tensors). Buffers are of the inputs' array module.
 
+    ``streams``: only these streams' buffers (default: all of the scheme's). A LYNX
+    layer encoded one stream at a time gives the same bytes as both at once, so a
+    sender can put the anchors on the wire first and quantize again for the
+    residual later; each pass costs about one full encode.
+
     Raises :class:`CodecError` for bad inputs (non-contiguous, unsupported dtype,
-    mismatched shapes, non-finite values) and :class:`BackendError` when the
-    requested backend is unavailable.
+    mismatched shapes, non-finite values, a stream the scheme does not have) and
+    :class:`BackendError` when the requested backend is unavailable.
     """
     if not isinstance(config, CodecConfig):
         raise CodecError(f"config must be a CodecConfig, got {type(config).__name__}")
+    wanted = _wanted_streams(config, streams)
     tk, tv = as_tensor(k, "K"), as_tensor(v, "V")
     if tk.shape != tv.shape:
         raise CodecError(f"K and V shapes differ: {tk.shape} vs {tv.shape}")
     if tk.xp is not tv.xp:
         raise CodecError("K and V must both be host arrays or both be CuPy arrays")
-    return _encode_with(select(backend, tk.xp), tk, tv, config)
+    return _encode_with(select(backend, tk.xp), tk, tv, config, wanted)
 
 
-def _new_buffers(layout: LayerLayout, xp: Any) -> dict[Stream, Any]:
+def _wanted_streams(config: CodecConfig, streams: Iterable[Stream] | None) -> tuple[Stream, ...]:
+    have = (Stream.ANCHOR, Stream.RESIDUAL) if config.scheme is Scheme.LYNX else (Stream.ANCHOR,)
+    if streams is None:
+        return have
+    wanted = set(streams)
+    bad = [s for s in wanted if not isinstance(s, Stream) or s not in have]
+    if bad or not wanted:
+        raise CodecError(f"streams must be a non-empty subset of {[s.value for s in have]} "
+                         f"for {config.scheme.value}, got {list(streams)!r}")
+    return tuple(s for s in have if s in wanted)
+
+
+def _new_buffers(layout: LayerLayout, xp: Any, streams: tuple[Stream, ...]) -> dict[Stream, Any]:
     # every region is written in full by the encoder: zero only the alignment gaps
     # (np.zeros would pay to clear, or to fault in, every page a second time)
-    buffers = {s: xp.empty(layout.stream_size(s), dtype=xp.uint8) for s in layout.streams}
-    end = {s: 0 for s in layout.streams}
+    buffers = {s: xp.empty(layout.stream_size(s), dtype=xp.uint8) for s in streams}
+    end = {s: 0 for s in streams}
     for r in layout.regions:
+        if r.stream not in buffers:
+            continue
         if r.offset > end[r.stream]:
             buffers[r.stream][end[r.stream] : r.offset] = 0
         end[r.stream] = r.offset + r.size
     return buffers
 
 
-def _encode_with(ops: Ops, tk: Any, tv: Any, config: CodecConfig) -> EncodedLayer:
+def _anchor_regions(anchor: Any, layout: LayerLayout, name: str, xp: Any) -> tuple[Any, Any, Any]:
+    """(scale, zero, data) of ``name`` in the anchor buffer; without one (a residual-only
+    encode) scratch scale/zero the encoder overwrites, and no data."""
+    if anchor is not None:
+        return tuple(_view(anchor, layout, f"{name}_{p}", xp) for p in ("scale", "zero", "data"))
+    r = layout.region(f"{name}_scale")
+    return xp.empty(r.shape, xp.float16), xp.empty(r.shape, xp.float16), None
+
+
+def _encode_with(ops: Ops, tk: Any, tv: Any, config: CodecConfig,
+                 streams: tuple[Stream, ...] = (Stream.ANCHOR, Stream.RESIDUAL)) -> EncodedLayer:
     xp = ops.xp
     layout = LayerLayout.build(config, *tk.shape)
-    buffers = _new_buffers(layout, xp)
-    anchor = buffers[Stream.ANCHOR]
+    streams = tuple(s for s in streams if s in layout.streams)
+    buffers = _new_buffers(layout, xp, streams)
+    anchor = buffers.get(Stream.ANCHOR)
     for name, t in (("k", tk), ("v", tv)):
         if config.scheme is Scheme.BF16:
             if t.bf16:
@@ -134,11 +166,9 @@ def _encode_with(ops: Ops, tk: Any, tv: Any, config: CodecConfig) -> EncodedLaye
                 raise CodecError(f"{name.upper()} has values outside the fp16 range (|x| > 65504); use Scheme.BF16")
             _view(anchor, layout, f"{name}_data", xp)[...] = half
             continue
-        residual = _view(buffers[Stream.RESIDUAL], layout, f"{name}_residual", xp) if config.scheme is Scheme.LYNX else None
-        ops.encode(
-            x, name, config, _view(anchor, layout, f"{name}_scale", xp), _view(anchor, layout, f"{name}_zero", xp),
-            _view(anchor, layout, f"{name}_data", xp), residual,
-        )  # fmt: skip
+        residual = _view(buffers[Stream.RESIDUAL], layout, f"{name}_residual", xp) if Stream.RESIDUAL in buffers else None
+        scale, zero, data = _anchor_regions(anchor, layout, name, xp)
+        ops.encode(x, name, config, scale, zero, data, residual)
     return EncodedLayer(layout, types.MappingProxyType(buffers))
 
 

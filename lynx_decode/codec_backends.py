@@ -85,8 +85,10 @@ class Ops:
     def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, data: Any, residual: Any) -> None:
         """Quantize fp32 ``x [H,T,D]`` into its wire regions: fp16 ``scale``/``zero``
         (group-shaped), ``data`` (INT8 codes, packed INT4 codes, or the packed LYNX
-        anchors) and ``residual`` (LYNX; None otherwise). Raises :class:`CodecError`
-        for non-finite values. This default composes the per-stage kernels."""
+        anchors) and ``residual`` (LYNX; None otherwise). A LYNX encode of one stream
+        passes None for the other (``data`` None: the residual alone). Raises
+        :class:`CodecError` for non-finite values. This default composes the
+        per-stage kernels."""
         xp = self.xp
         group = config.k_group if kind == "k" else config.v_group
         levels = levels_of(config.scheme)
@@ -101,8 +103,13 @@ class Ops:
         n = x.size
         codes = xp.zeros(padded(n), dtype=xp.uint8)
         self.quantize(x, inv, z32, group, kind, levels, codes[:n].reshape(x.shape))
+        rbits = 8 - config.bits
         if config.scheme is Scheme.INT4:
             self.pack(codes, 4, data)
+        elif residual is None:
+            self.pack(codes >> xp.uint8(rbits), config.bits, data)
+        elif data is None:
+            self.pack(codes & xp.uint8((1 << rbits) - 1), rbits, residual)
         else:
             self.split(codes, config.bits, data, residual)
 
@@ -267,6 +274,10 @@ class NumbaOps(Ops):
         c = self._codec
         heads, tokens, dim = x.shape
         mode = {Scheme.INT8: c.ENC_INT8, Scheme.INT4: c.ENC_INT4}.get(config.scheme, c.ENC_LYNX)
+        if mode == c.ENC_LYNX and residual is None:
+            mode = c.ENC_ANCHOR
+        elif mode == c.ENC_LYNX and data is None:
+            mode, data = c.ENC_RESIDUAL, _NO_BYTES
         fn, group = (c.encode_k, config.k_group) if kind == "k" else (c.encode_v, config.v_group)
         res = _NO_BYTES if residual is None else residual
         levels = levels_of(config.scheme)

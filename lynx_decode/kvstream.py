@@ -47,7 +47,7 @@ from lynx_decode.model.protocol import ModelInfo, Prefill
 from lynx_transport import Connection, Lane, ReceivedRegion, ReceiveStream, SendStream
 from lynx_transport.errors import DecodeError, LayoutError, LynxError, TransportError
 
-__all__ = ["KVHeader", "KV_FORMAT", "send_cache", "KVAssembler", "region_name", "lane_of",
+__all__ = ["KVHeader", "KV_FORMAT", "send_cache", "CacheSend", "KVAssembler", "region_name", "lane_of",
            "warm_up_codec"]
 
 KV_FORMAT = "lynx-kv-stream"
@@ -172,43 +172,88 @@ def warm_up_codec(bits: int = 4) -> None:
             decode_layer(encoded.layout, anchor, encoded.buffers[Stream.RESIDUAL])
 
 
+class CacheSend:
+    """A cache on its way out (from :func:`send_cache`): :attr:`stream`, and
+    :meth:`wait`, which finishes the send. It keeps the encoded buffers alive
+    until the stream is done."""
+
+    def __init__(self, stream: SendStream, prefill: Prefill, config: CodecConfig,
+                 keep: list[Any], deferred: bool) -> None:
+        self.stream = stream
+        self._prefill = prefill
+        self._config = config
+        self._keep = keep
+        self._deferred = deferred
+
+    def wait(self, timeout: float) -> None:
+        """Finish the send within ``timeout`` seconds: for a held residual, wait for
+        the receiver to release it, then encode and supply it layer by layer; then
+        wait for the receiver's confirmation of the whole stream. Raises the
+        stream's error, or ``TransportTimeoutError``; a failed send is cancelled."""
+        deadline = time.monotonic() + timeout
+        try:
+            if self._deferred:
+                self._deferred = False
+                self.stream.wait_released(Lane.RESIDUAL, timeout)
+                kv = self._prefill.kv
+                for i in range(kv.shape.num_layers):
+                    buf = encode_layer(kv.keys[i], kv.values[i], self._config,
+                                       streams=(Stream.RESIDUAL,)).buffers[Stream.RESIDUAL]
+                    self._keep.append(buf)
+                    self.stream.supply(region_name(i, Stream.RESIDUAL), buf,
+                                       max(0.0, deadline - time.monotonic()))
+            self.stream.wait(max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            if not self.stream.done:
+                self.stream.cancel()
+            raise
+        finally:
+            if self.stream.done:
+                self._keep.clear()
+
+
 def send_cache(conn: Connection, prefill: Prefill, model_id: str, config: CodecConfig, *,
                request_id: str, t0_unix: float, timeout: float = 10.0,
-               hold_residual: bool = False) -> tuple[SendStream, list[Any]]:
-    """Announce, encode and supply a prefilled cache on ``conn``.
+               hold_residual: bool = False) -> CacheSend:
+    """Announce, encode and supply a prefilled cache on ``conn``; finish with
+    :meth:`CacheSend.wait` (``prefill`` must stay unchanged until then).
 
-    Returns the stream (wait on it for the receiver's confirmation) and the
-    encoded buffers, which must stay alive until the stream is done.
-    ``hold_residual``: the residual lane waits for the receiver's
-    ``release_lane`` (LYNX; ignored for schemes without a residual).
+    Anchors go first, layer by layer, as each is encoded. ``hold_residual``
+    (LYNX; ignored for schemes without a residual): the residual lane waits for
+    the receiver's ``release_lane``, and is encoded only then (in
+    :meth:`CacheSend.wait`): each layer is quantized twice, but nothing of the
+    residual takes CPU from the anchors' encoding, nor from the receiver's first
+    decode step when both nodes share a host. Without it each layer is encoded
+    once into both streams.
     """
     kv = prefill.kv
     shape = kv.shape
     layer = LayerLayout.build(config, shape.kv_heads, shape.tokens, shape.head_dim)
     header = KVHeader(request_id, model_id, config.scheme, len(prefill.token_ids), t0_unix,
                       CacheLayout.of([layer] * shape.num_layers))
-    hold = (Lane.RESIDUAL,) if hold_residual and config.scheme is Scheme.LYNX else ()
+    deferred = hold_residual and config.scheme is Scheme.LYNX
     stream = conn.open_stream(header.regions(), metadata=header.to_metadata(), timeout=timeout,
-                              hold=hold)
+                              hold=(Lane.RESIDUAL,) if deferred else ())
     keep: list[Any] = [np.asarray(prefill.token_ids, dtype=np.int32)]
-    held: list[tuple[str, Any]] = []
+    later: list[tuple[str, Any]] = []
     try:
         stream.supply(TOKENS, keep[0], timeout)
         for i in range(shape.num_layers):
-            encoded = encode_layer(kv.keys[i], kv.values[i], config)
+            encoded = encode_layer(kv.keys[i], kv.values[i], config,
+                                   streams=(Stream.ANCHOR,) if deferred else None)
             for s, buf in encoded.buffers.items():
                 keep.append(buf)
                 if s is Stream.ANCHOR:
                     stream.supply(region_name(i, s), buf, timeout)
                 else:
-                    held.append((region_name(i, s), buf))
-        for name, buf in held:
+                    later.append((region_name(i, s), buf))
+        for name, buf in later:
             stream.supply(name, buf, timeout)
     except BaseException:
         if not stream.done:
             stream.cancel()
         raise
-    return stream, keep
+    return CacheSend(stream, prefill, config, keep, deferred)
 
 
 class KVAssembler:

@@ -120,16 +120,14 @@ class PrefillNode:
                            else Rate(request.bandwidth_gbps, BURST_BYTES))
         codec = CodecConfig(scheme=request.scheme, bits=request.anchor_bits
                             if request.scheme is Scheme.LYNX else CodecConfig().bits)
-        stream, keep = send_cache(conn, prefill, self.model.info.model_id, codec,
-                                  request_id=request.request_id, t0_unix=t0,
-                                  hold_residual=request.hold_residual)
+        sending = send_cache(conn, prefill, self.model.info.model_id, codec,
+                             request_id=request.request_id, t0_unix=t0,
+                             hold_residual=request.hold_residual)
         try:
-            stream.wait(timeout=self.stream_timeout_s)
+            sending.wait(self.stream_timeout_s)
         except TransportError:
             self._drop(request.reply_to)
             raise
-        finally:
-            del keep
 
     def _send_error(self, request: KVRequest, message: str) -> None:
         try:

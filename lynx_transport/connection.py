@@ -209,7 +209,7 @@ class _TxLoop(IoLoop):
         if lane not in tx.held or tx.handle.state.terminal or tx.cancelling:
             return
         tx.held.discard(lane)
-        tx.handle.lane_released_at[lane] = self.clock.now()
+        tx.handle._completion.lane_released(lane, self.clock.now())
         if tx.token is not None:
             for i in tx.supplied:
                 if tx.handle.manifest.regions[i].lane == lane:
@@ -443,6 +443,7 @@ class Connection:
             raise ValueError(f"cannot hold lanes {sorted(held - set(manifest.lanes))}: no region "
                              "travels on them")
         handle = SendStream(manifest, self.clock.now(), self._loop.run)
+        handle._completion.hold(held)
         self._call(lambda: self._loop.open(handle, payload, views, held), timeout)
         return handle
 

@@ -30,8 +30,6 @@ class SendStream:
         self._completion = Completion(f"stream {manifest.stream_id}")
         #: Monotonic time the first chunk was handed to UCX (``None`` before).
         self.started_at: float | None = None
-        #: Monotonic time each held lane was released (see ``Connection.open_stream``).
-        self.lane_released_at: dict[int, float] = {}
         self._call = call
         self._names = {r.name: i for i, r in enumerate(manifest.regions)}
         # set by the connection's I/O thread
@@ -63,6 +61,20 @@ class SendStream:
     def wait_lane(self, lane: int, timeout: float) -> None:
         """Block until the receiver confirmed every region on ``lane``."""
         self._completion.wait_lane(int(lane), timeout)
+
+    def wait_released(self, lane: int, timeout: float) -> None:
+        """Block until a lane held since the stream opened (``hold=``) is released,
+        by the receiver or :meth:`release_lane`; returns at once for a lane not
+        held. Raises like :meth:`wait` (the stream's error, or
+        ``TransportTimeoutError``); a stream that ends otherwise before the
+        release raises ``TransportError``. A sender can encode a held lane's
+        bytes only once they are wanted."""
+        self._completion.wait_released(int(lane), timeout)
+
+    @property
+    def lane_released_at(self) -> dict[int, float]:
+        """Monotonic time each held lane was released (see ``Connection.open_stream``)."""
+        return dict(self._completion.lane_released_at)
 
     @property
     def completed_at(self) -> float | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Iterable
 
 from lynx_transport.errors import TransportError, TransportTimeoutError
 
@@ -43,6 +44,8 @@ class Completion:
         self._regions: set[str] = set()
         self.completed_at: float | None = None
         self.lane_completed_at: dict[int, float] = {}
+        self._held: set[int] = set()
+        self.lane_released_at: dict[int, float] = {}
 
     @property
     def state(self) -> StreamState:
@@ -72,6 +75,17 @@ class Completion:
             self.lane_completed_at[lane] = now
             self._cond.notify_all()
             return True
+
+    def hold(self, lanes: Iterable[int]) -> None:
+        """Lanes held until released (set when the stream opens)."""
+        with self._cond:
+            self._held.update(lanes)
+
+    def lane_released(self, lane: int, now: float) -> None:
+        with self._cond:
+            self._held.discard(lane)
+            self.lane_released_at[lane] = now
+            self._cond.notify_all()
 
     def finish(self, state: StreamState, now: float, error: TransportError | None = None) -> bool:
         """Enter a terminal state; False (and no change) if one was already reached."""
@@ -106,6 +120,9 @@ class Completion:
 
     def wait(self, timeout: float) -> None:
         self._wait(lambda: self._state is StreamState.COMPLETED, timeout, "the stream")
+
+    def wait_released(self, lane: int, timeout: float) -> None:
+        self._wait(lambda: lane not in self._held, timeout, f"the release of lane {lane}")
 
     def region_is_done(self, name: str) -> bool:
         with self._cond:

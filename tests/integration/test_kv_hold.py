@@ -1,6 +1,6 @@
 """``send_cache(hold_residual=True)`` over a real loopback connection: the anchors
 arrive and the draft cache is built while the residual waits for the receiver's
-``release_lane``; after it, the full cache is exact."""
+``release_lane`` (and is encoded only then); after it, the full cache is exact."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ def test_a_held_residual_waits_for_the_decode_side(hold) -> None:
                   on_region=lambda s, r: assemblers[s.stream_id].on_region(r))
     try:
         with connect(rx.address, timeout=10) as conn:
-            sent, keep = send_cache(conn, prefill, "m", CodecConfig(scheme=Scheme.LYNX),
-                                    request_id="r", t0_unix=0.0, hold_residual=hold)
+            sending = send_cache(conn, prefill, "m", CodecConfig(scheme=Scheme.LYNX),
+                                 request_id="r", t0_unix=0.0, hold_residual=hold)
+            sent = sending.stream
             assert opened.wait(10)
             stream, asm = streams[0], assemblers[streams[0].stream_id]
             asm.open_full_gate()
@@ -58,10 +59,9 @@ def test_a_held_residual_waits_for_the_decode_side(hold) -> None:
                                if r.lane == Lane.RESIDUAL)
                 assert not asm.full.done() and rx.stats().lane(Lane.RESIDUAL).bytes == 0
                 stream.release_lane(Lane.RESIDUAL)
+            sending.wait(10)  # held: encodes and supplies the residual now
             full = asm.full.result(10)
-            sent.wait(10)
             assert Lane.RESIDUAL in sent.lane_released_at if hold else not sent.lane_released_at
-            del keep
         for i in range(INFO.num_layers):  # exact: the INT8 codec's reconstruction, bit for bit
             enc = encode_layer(prefill.kv.keys[i], prefill.kv.values[i], CodecConfig(scheme=Scheme.INT8))
             k8, v8 = decode_layer(enc.layout, enc.buffers[Stream.ANCHOR])

@@ -286,6 +286,40 @@ def test_a_held_lane_can_be_released_by_the_sender(loopback) -> None:
                               lambda: peer.call("release", stream.stream_id, int(Lane.RESIDUAL)))
 
 
+def test_a_sender_can_wait_for_the_release_of_a_held_lane() -> None:
+    """``SendStream.wait_released``: a prefill node encodes the residual only once
+    the decode node asks for it."""
+    from lynx_transport import connect
+    from lynx_transport.errors import TransportError, TransportTimeoutError
+
+    n = 1 << 20
+    with Receiver(ReceivePool(16 << 20)) as rx, connect(rx.address, timeout=10) as conn:
+        sent = conn.open_stream([("a", n, Lane.ANCHOR), ("r", n, Lane.RESIDUAL)],
+                                hold=[Lane.RESIDUAL])
+        sent.wait_released(Lane.ANCHOR, 0)  # not held: at once
+        with pytest.raises(TransportTimeoutError, match="release of lane 1"):
+            sent.wait_released(Lane.RESIDUAL, 0.2)
+        sent.supply("a", pattern(1, n))
+        incoming = rx.next_stream(10)
+        incoming.wait_lane(Lane.ANCHOR, 10)
+        assert not sent.lane_released_at
+        incoming.release_lane(Lane.RESIDUAL)
+        sent.wait_released(Lane.RESIDUAL, 10)
+        assert Lane.RESIDUAL in sent.lane_released_at
+        sent.supply("r", pattern(2, n))  # encoded after the release, sent at once
+        sent.wait(10)
+        assert np.array_equal(incoming.view("r"), pattern(2, n))
+        incoming.release()
+
+        # a stream that ends while its lane is held wakes the waiter with its error
+        sent = conn.open_stream([("a", n, Lane.ANCHOR), ("r", n, Lane.RESIDUAL)],
+                                hold=[Lane.RESIDUAL])
+        incoming = rx.next_stream(10)
+        threading.Timer(0.1, lambda: incoming.abandon("the decoder gave up")).start()
+        with pytest.raises(TransportError, match="gave up"):
+            sent.wait_released(Lane.RESIDUAL, 10)
+
+
 def test_holding_a_lane_no_region_travels_on_is_refused(loopback) -> None:
     pool, rx, rec, peer = loopback
     specs, meta = make_specs([(4096, Lane.ANCHOR)], next(_counter))

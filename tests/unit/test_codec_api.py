@@ -9,6 +9,7 @@ import torch
 
 import lynx_decode
 from lynx_decode import Backend, CodecConfig, LayerLayout, Scheme, Stream, decode_layer, encode_layer
+from lynx_decode.codec_config import Split
 from lynx_decode.codec import int8_codes
 from lynx_transport.errors import BackendError, CodecError, LayoutError
 
@@ -46,6 +47,31 @@ def test_streams_and_wire_sizes(kv, scheme: Scheme, anchor_payload: int, residua
         assert sum(r.size for r in regions) == payload
         assert payload <= enc.wire_bytes(stream) < payload + 64 * len(regions)  # alignment padding only
     assert enc.wire_bytes() == sum(buf.size for buf in enc.buffers.values())
+
+
+@pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.NUMBA])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("split", list(Split))
+@pytest.mark.parametrize("tokens", [1, 63, T])
+def test_one_stream_at_a_time_gives_the_same_bytes(kv, backend: Backend, bits: int, split: Split,
+                                                   tokens: int) -> None:
+    k, v = (x[:, :tokens].copy() for x in kv)
+    config = CodecConfig(Scheme.LYNX, bits=bits, split=split)
+    both = encode_layer(k, v, config, backend=backend)
+    for stream in (Stream.ANCHOR, Stream.RESIDUAL):
+        one = encode_layer(k, v, config, backend=backend, streams=[stream])
+        assert set(one.buffers) == {stream}
+        assert np.array_equal(one.buffers[stream], both.buffers[stream])
+
+
+def test_streams_must_be_ones_the_scheme_has(kv) -> None:
+    for config, bad in ((CodecConfig(Scheme.INT8), [Stream.RESIDUAL]), (CodecConfig(), []),
+                        (CodecConfig(), ["anchor"])):
+        with pytest.raises(CodecError, match="streams must be"):
+            encode_layer(*kv, config, streams=bad)
+    only = encode_layer(*kv, CodecConfig(Scheme.INT4), streams=[Stream.ANCHOR])
+    assert np.array_equal(only.buffers[Stream.ANCHOR],
+                          encode_layer(*kv, CodecConfig(Scheme.INT4)).buffers[Stream.ANCHOR])
 
 
 def test_anchor_stream_is_about_half_of_int8(kv) -> None:
