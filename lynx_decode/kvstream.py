@@ -224,7 +224,9 @@ def send_cache(conn: Connection, prefill: Prefill, model_id: str, config: CodecC
     :meth:`CacheSend.wait`): each layer is quantized twice, but nothing of the
     residual takes CPU from the anchors' encoding, nor from the receiver's first
     decode step when both nodes share a host. Without it each layer is encoded
-    once into both streams.
+    once into both streams. Call :func:`warm_up_codec` once before connecting: a
+    first JIT compile inside a send holds the GIL for seconds, long enough for
+    the transport's peers to count its I/O threads silent.
     """
     kv = prefill.kv
     shape = kv.shape

@@ -11,7 +11,7 @@ import pytest
 
 from lynx_decode.codec import decode_layer, encode_layer
 from lynx_decode.codec_config import CodecConfig, Scheme, Stream
-from lynx_decode.kvstream import KVAssembler, send_cache
+from lynx_decode.kvstream import KVAssembler, send_cache, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.protocol import ModelInfo, Prefill
 from lynx_transport import Lane, ReceivePool, Receiver, connect
@@ -32,6 +32,7 @@ def _prefill(tokens: int = 1000) -> Prefill:
 
 @pytest.mark.parametrize("hold", [True, False])
 def test_a_held_residual_waits_for_the_decode_side(hold) -> None:
+    warm_up_codec()  # as the nodes do: a first JIT compile holds the GIL past the peer timeout
     prefill = _prefill()
     streams: list = []
     assemblers: dict[int, KVAssembler] = {}
