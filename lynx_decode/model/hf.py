@@ -20,19 +20,20 @@ multi-token verification pass).
 Threads: a forward pass over a cache that is still arriving (``cache_from(kv,
 wait=...)``: the decode node's first step, overlapped with the transfer) runs on
 ``streaming_threads`` torch threads (default: one fewer than torch's setting, at
-least one), leaving a core to the threads that receive and dequantize the
-layers it waits for; torch's setting is restored when the pass returns. On a
-2-core box that is one thread: the pipelined first step at 1 Gbit/s and 4k
-tokens reached its first token 20-60 ms sooner for every scheme (``lynx sweep``,
-interleaved). ``torch.set_num_threads`` is process-wide, so do not run other
-torch work in the same process during a decode.
+least one) while some layer is still missing, leaving a core to the threads
+that receive and dequantize them, and on all of torch's threads once every
+layer is in (checked before each layer); torch's setting is restored when the
+pass returns. On a 2-core box that is one thread while the cache arrives: the
+first token at 4k tokens came 20-60 ms sooner for every scheme at 1 Gbit/s and
+~30 ms sooner at 10 (``lynx sweep``, interleaved). ``torch.set_num_threads`` is
+process-wide, so do not run other torch work in the same process during a
+decode.
 
 torch and transformers are imported lazily, inside functions.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -195,8 +196,12 @@ class HFCausalLM:
                               f"the model's context window of {self._info.max_positions}")
         if not cache.filling:
             return self._run(cache, ids, keep=0)
-        with _torch_threads(self.streaming_threads):
-            return self._run(cache, ids, keep=0)
+        with _ThreadGovernor(self.streaming_threads) as governor:
+            cache.governor = governor
+            try:
+                return self._run(cache, ids, keep=0)
+            finally:
+                cache.governor = None
 
     def _run(self, cache: SlabCache, ids: list[int], *, keep: int) -> np.ndarray:
         import torch  # noqa: PLC0415
@@ -224,22 +229,34 @@ class HFCausalLM:
         return ids
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int | None) -> Any:
-    """torch's (process-wide) intra-op threads set to ``n`` (None: one fewer, at
-    least one) while the block runs, when that is fewer than now."""
-    import torch  # noqa: PLC0415
+class _ThreadGovernor:
+    """torch's (process-wide) intra-op threads during a forward pass over a cache
+    still arriving: ``streaming`` threads (None: one fewer than torch's setting,
+    at least one) while some layer is still missing - the spare core receives and
+    dequantizes them -, all of torch's threads once every layer is in (only
+    compute is left). torch's setting is restored at exit."""
 
-    before = torch.get_num_threads()
-    want = max(1, before - 1) if n is None else n
-    if want >= before:
-        yield
-        return
-    torch.set_num_threads(want)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    def __init__(self, streaming: int | None) -> None:
+        self._streaming = streaming
+
+    def __enter__(self) -> _ThreadGovernor:
+        import torch  # noqa: PLC0415
+
+        self._set = torch.set_num_threads
+        self.full = self.current = torch.get_num_threads()
+        self.low = min(self.full, max(1, self.full - 1) if self._streaming is None
+                       else self._streaming)
+        return self
+
+    def update(self, all_in: bool) -> None:
+        want = self.full if all_in else self.low
+        if want != self.current:
+            self._set(want)
+            self.current = want
+
+    def __exit__(self, *exc: object) -> None:
+        if self.current != self.full:
+            self._set(self.full)
 
 
 class SlabCache:
@@ -251,16 +268,25 @@ class SlabCache:
         from transformers import DynamicCache  # noqa: PLC0415
 
         self.hf_cache = DynamicCache()
+        self.governor: _ThreadGovernor | None = None  # set by HFCausalLM.forward
+        self._wait = wait
+        self._kv = kv
         self.hf_cache.layers = [
             _slab_layer_class()(torch.from_numpy(kv.storage_keys[i])[None],
                                 torch.from_numpy(kv.storage_values[i])[None], length,
-                                None if wait is None else functools.partial(wait, i))
+                                None if wait is None else functools.partial(self._wait_layer, i))
             for i in range(kv.shape.num_layers)]
         self._layers = self.hf_cache.layers
 
     @property
     def num_tokens(self) -> int:
         return self._layers[0].length
+
+    def _wait_layer(self, index: int) -> None:
+        assert self._wait is not None
+        if self.governor is not None:
+            self.governor.update(self._kv.complete)
+        self._wait(index)
 
     @property
     def filling(self) -> bool:
