@@ -527,22 +527,26 @@ def connect(address: tuple[str, int], *, timeout: float = 5.0,
             config: TransportConfig | None = None, clock: Clock | None = None) -> Connection:
     """Connect to a :class:`~lynx_transport.receiver.Receiver` at ``(host, port)``.
 
-    UCX starts first (a process's first start takes about a second, not counted
-    in ``timeout``). Raises :class:`ConnectError` if nobody listens, the handshake
-    fails, or it does not finish within ``timeout`` seconds; :class:`AuthenticationError`
+    ``timeout`` bounds the TCP connect and, again, the handshake; UCX starts in
+    between (a process's first start takes about a second). Raises
+    :class:`ConnectError` if nobody listens, the handshake fails, or either step
+    does not finish within ``timeout`` seconds; :class:`AuthenticationError`
     (a ``ConnectError``) when ``config.secret`` and the receiver's disagree.
     """
     config = config if config is not None else TransportConfig()
     clock = clock if clock is not None else MonotonicClock()
-    # UCX starts before the handshake: a process's first UCX context takes ~1 s
-    # (more on a loaded host), and once welcomed the receiver counts silence.
-    worker = UcxWorker(config.ucx_tls, config.ucx_net_devices or "all")
-    deadline = clock.now() + timeout
     try:
-        sock = socket.create_connection(address, timeout=max(0.001, deadline - clock.now()))
+        sock = socket.create_connection(address, timeout=timeout)
     except OSError as exc:
-        worker.close()
         raise ConnectError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from exc
+    # UCX starts before HELLO: a process's first UCX context takes ~1 s (more on a
+    # loaded host), and once it has sent WELCOME the receiver counts silence
+    try:
+        worker = UcxWorker(config.ucx_tls, config.ucx_net_devices or "all")
+    except BaseException:
+        sock.close()
+        raise
+    deadline = clock.now() + timeout
     try:
         ucx_addresses, peer_rate, wflags = _handshake(sock, deadline, clock, config.secret)
         return Connection(sock, ucx_addresses, peer_rate, config, clock, worker,
