@@ -53,8 +53,8 @@ def raw_ucxx_receiver(pipe: Pipe, nbytes: int, tls: str) -> None:
     lib, ctx, worker = _worker(tls)
     from lynx_transport.pool import host_buffer  # noqa: PLC0415
 
-    buf = host_buffer(nbytes, touch=True)  # 2 MiB-aligned and pre-faulted like a Lynx pool
-    buf.fill(255)
+    buf = host_buffer(nbytes, touch=False)  # 2 MiB-aligned like a Lynx pool ...
+    buf.fill(255)  # ... and pre-faulted: every page written once, here
     pipe.send(("ok", bytes(worker.address)))
     while True:
         request = pipe.recv()

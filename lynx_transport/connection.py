@@ -71,7 +71,6 @@ class _TxStream:
     inflight: int = 0
     cancelling: bool = False
     supplied: list[int] = dataclasses.field(default_factory=list)  # in supply order
-    held: set[int] = dataclasses.field(default_factory=set)  # lanes not scheduled yet
 
 
 class _TxLoop(IoLoop):
@@ -177,12 +176,10 @@ class _TxLoop(IoLoop):
             raise ProtocolError(f"unexpected {t.name} frame from a receiver")
 
     # -- streams ------------------------------------------------------------------------
-    def open(self, handle: SendStream, payload: bytes, views: list[Any | None],
-             hold: frozenset[int]) -> None:
+    def open(self, handle: SendStream, payload: bytes, views: list[Any | None]) -> None:
         if self.broken is not None:
             raise self.broken
-        tx = _TxStream(handle, views, supplied=[i for i, v in enumerate(views) if v is not None],
-                       held=set(hold))
+        tx = _TxStream(handle, views, supplied=[i for i, v in enumerate(views) if v is not None])
         handle._supply = lambda i, buf: self.supply(tx, i, buf)
         handle._cancel = lambda: self.cancel(tx)
         handle._release_lane = lambda lane: self.release_lane(tx, lane)
@@ -206,10 +203,9 @@ class _TxLoop(IoLoop):
 
     def release_lane(self, tx: _TxStream, lane: int) -> None:
         """Schedule a held lane's supplied regions (in supply order); later ones follow."""
-        if lane not in tx.held or tx.handle.state.terminal or tx.cancelling:
+        if (tx.handle.state.terminal or tx.cancelling
+                or not tx.handle._completion.lane_released(lane, self.clock.now())):
             return
-        tx.held.discard(lane)
-        tx.handle._completion.lane_released(lane, self.clock.now())
         if tx.token is not None:
             for i in tx.supplied:
                 if tx.handle.manifest.regions[i].lane == lane:
@@ -217,7 +213,7 @@ class _TxLoop(IoLoop):
 
     def queue_region(self, tx: _TxStream, i: int) -> None:
         spec = tx.handle.manifest.regions[i]
-        if spec.lane in tx.held:
+        if tx.handle._completion.is_held(spec.lane):
             return  # scheduled by release_lane
         first = tx.handle.manifest.first_chunk_indices()[i]
         self.sched.add_region(tx.handle.stream_id, i, spec.lane, spec.nbytes, first)
@@ -443,8 +439,8 @@ class Connection:
             raise ValueError(f"cannot hold lanes {sorted(held - set(manifest.lanes))}: no region "
                              "travels on them")
         handle = SendStream(manifest, self.clock.now(), self._loop.run)
-        handle._completion.hold(held)
-        self._call(lambda: self._loop.open(handle, payload, views, held), timeout)
+        handle._completion.hold(held)  # the lanes' one record, for the I/O thread and waiters
+        self._call(lambda: self._loop.open(handle, payload, views), timeout)
         return handle
 
     def set_link_rate(self, rate: Rate | None) -> None:

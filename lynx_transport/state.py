@@ -81,11 +81,15 @@ class Completion:
         with self._cond:
             self._held.update(lanes)
 
-    def lane_released(self, lane: int, now: float) -> None:
+    def lane_released(self, lane: int, now: float) -> bool:
+        """Release a held lane; False (and no change) if it is not held."""
         with self._cond:
+            if lane not in self._held:
+                return False
             self._held.discard(lane)
             self.lane_released_at[lane] = now
             self._cond.notify_all()
+            return True
 
     def finish(self, state: StreamState, now: float, error: TransportError | None = None) -> bool:
         """Enter a terminal state; False (and no change) if one was already reached."""
@@ -123,6 +127,10 @@ class Completion:
 
     def wait_released(self, lane: int, timeout: float) -> None:
         self._wait(lambda: lane not in self._held, timeout, f"the release of lane {lane}")
+
+    def is_held(self, lane: int) -> bool:
+        with self._cond:
+            return lane in self._held
 
     def region_is_done(self, name: str) -> bool:
         with self._cond:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from lynx_transport.pool import host_buffer
+from lynx_transport.wire import rail_of
 
 __all__ = ["pattern", "WRITTEN_ZEROS", "UNTOUCHED", "PeerFailed", "PeerProcess", "sender_server",
            "receiver_server", "prioritise_thread", "RawPeer", "RawDataPath", "wait_until",
@@ -442,8 +443,6 @@ class RawDataPath:
         from lynx_transport._ucx import as_bytes_view, check  # noqa: PLC0415
 
         view = as_bytes_view(data)
-        from lynx_transport.wire import rail_of  # noqa: PLC0415
-
         # the tag's low 32 bits are the chunk index
         req = self.worker.tag_send(self.eps[rail_of(tag & 0xFFFFFFFF, len(self.eps))], view, tag)
         deadline = time.monotonic() + timeout
