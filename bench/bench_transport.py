@@ -107,8 +107,7 @@ def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     """Run every backend; returns the result dictionary (see the module docstring)."""
     from lynx_bench import transport_baselines as base  # noqa: PLC0415
     from lynx_transport import Lane, ReceivePool, Receiver, TransportConfig  # noqa: PLC0415
-    from lynx_transport.testing import (UNTOUCHED, WRITTEN_ZEROS, PeerProcess,  # noqa: PLC0415
-                                        sender_server)
+    from lynx_transport.testing import UNTOUCHED, WRITTEN_ZEROS, PeerProcess, sender_server  # noqa: PLC0415
 
     say = progress or (lambda msg: None)
     default = TransportConfig()

@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(module: str):  # noqa: ANN202 - returns a module
+def _load(module: str):
     return importlib.import_module(module)
 
 

@@ -10,8 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from lynx_bench.node_args import (add_model_arguments, add_secret_argument, host_port, load_model,
-                                  transport_config)
+from lynx_bench.node_args import add_model_arguments, add_secret_argument, host_port, load_model, transport_config
 from lynx_transport.errors import ConfigError, PromptError
 
 __all__ = ["add_arguments", "run"]

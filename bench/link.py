@@ -45,8 +45,7 @@ from lynx_transport.errors import LinkError
 
 from .link_config import LinkConfig, PortRange, Side
 from .link_status import LinkStatus, inspect_link
-from .link_sys import (delete_namespace, namespaces, netem_available, require_root, sh,
-                       wait_carrier)
+from .link_sys import delete_namespace, namespaces, netem_available, require_root, sh, wait_carrier
 
 __all__ = ["Link", "teardown", "DEFAULT_CLASS", "lane_class"]
 

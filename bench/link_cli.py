@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _config(args: argparse.Namespace):  # noqa: ANN202 - LinkConfig, imported lazily
+def _config(args: argparse.Namespace):
     from .link_config import LinkConfig, parse_duration, parse_percent, parse_rate
 
     return LinkConfig(rate_gbps=parse_rate(args.rate), prefix=args.prefix, subnet=args.subnet,
@@ -69,7 +69,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - LinkConfig, imported la
                       burst_bytes=args.burst)
 
 
-def _print_status(status, ucx: dict[str, dict[str, str]] | None) -> None:  # noqa: ANN001
+def _print_status(status, ucx: dict[str, dict[str, str]] | None) -> None:
     netem = {True: "available", False: "NOT available in this kernel (no delay/loss/jitter)",
              None: "not probed"}[status.netem_available]
     print(f"link {status.prefix}: {'up' if status.up else 'down'}   netem: {netem}")

@@ -37,7 +37,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (default: torch's choice)")
 
 
-def load_model(args: argparse.Namespace):  # noqa: ANN201 - HFCausalLM
+def load_model(args: argparse.Namespace):
     """Load the model offline (the CLI process may set HF_HUB_OFFLINE; the library never does)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -82,7 +82,7 @@ def load_secret(args: argparse.Namespace) -> bytes | None:
     return raw
 
 
-def transport_config(args: argparse.Namespace):  # noqa: ANN201 - TransportConfig
+def transport_config(args: argparse.Namespace):
     """The nodes' :class:`TransportConfig` (only the shared secret comes from the CLI)."""
     from lynx_transport.config import TransportConfig  # noqa: PLC0415
 

@@ -13,7 +13,7 @@ __all__ = ["plot_ttft_vs_bandwidth", "plot_accuracy", "SCHEME_ORDER"]
 SCHEME_ORDER = ("bf16", "int8", "int4", "lynx")
 
 
-def _pyplot():  # noqa: ANN202 - returns the pyplot module
+def _pyplot():
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")

@@ -8,8 +8,7 @@ import signal
 import sys
 import threading
 
-from lynx_bench.node_args import (add_model_arguments, add_secret_argument, host_port, load_model,
-                                  transport_config)
+from lynx_bench.node_args import add_model_arguments, add_secret_argument, host_port, load_model, transport_config
 
 __all__ = ["add_arguments", "run"]
 

@@ -33,8 +33,7 @@ from typing import Any
 
 from lynx_bench.processes import Child, ChildError
 from lynx_bench.results import Row, ratio_table, summary_table, write_results
-from lynx_bench.sweep_config import (QUICK, SCHEMES, LinkMode, SweepConfig, parse_floats,
-                                     parse_ints)
+from lynx_bench.sweep_config import QUICK, SCHEMES, LinkMode, SweepConfig, parse_floats, parse_ints
 from lynx_transport.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "run_sweep"]

@@ -14,7 +14,8 @@ called, and ``cache=True`` keeps the machine code on disk.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from numba import njit, prange

@@ -32,7 +32,7 @@ class CupyOps(ReferenceOps):
             raise BackendError(f"the cupy backend is unavailable: {exc} (pip install 'lynx-kv[gpu]')") from exc
         try:
             count = cupy.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # noqa: BLE001 - any CUDA runtime failure means no usable device
+        except Exception as exc:
             raise BackendError(f"the cupy backend has no usable CUDA device: {exc}") from exc
         if count < 1:
             raise BackendError("the cupy backend has no CUDA device")

@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lynx_decode.codec_pack import packed_size
 from lynx_decode.codec_config import MAX_BITS, MIN_BITS, CodecConfig, Scheme, Split, Stream
+from lynx_decode.codec_pack import packed_size
 from lynx_transport.errors import CodecError, LayoutError
 
 __all__ = ["DType", "Region", "LayerLayout", "CacheLayout", "FORMAT_VERSION", "ALIGN", "MAX_DESCRIPTOR_BYTES"]

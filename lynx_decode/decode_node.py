@@ -31,10 +31,8 @@ from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import KVRequest, PromptKind, parse_error_reply
 from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull, generate
-from lynx_transport import (Lane, ReceivedRegion, ReceivePool, Receiver, ReceiveStream,
-                            TransportConfig, connect)
-from lynx_transport.errors import (DecodeError, LynxError, PromptError, StreamFailedError,
-                                   TransportError)
+from lynx_transport import Lane, ReceivedRegion, ReceivePool, Receiver, ReceiveStream, TransportConfig, connect
+from lynx_transport.errors import DecodeError, LynxError, PromptError, StreamFailedError, TransportError
 
 __all__ = ["DecodeNode", "RunResult"]
 

@@ -204,11 +204,11 @@ class CacheSend:
                                        max(0.0, deadline - time.monotonic()))
             self.stream.wait(max(0.0, deadline - time.monotonic()))
         except BaseException:
-            if not self.stream.done:
+            if not self.stream.done():
                 self.stream.cancel()
             raise
         finally:
-            if self.stream.done:
+            if self.stream.done():
                 self._keep.clear()
 
 
@@ -252,7 +252,7 @@ def send_cache(conn: Connection, prefill: Prefill, model_id: str, config: CodecC
         for name, buf in later:
             stream.supply(name, buf, timeout)
     except BaseException:
-        if not stream.done:
+        if not stream.done():
             stream.cancel()
         raise
     return CacheSend(stream, prefill, config, keep, deferred)

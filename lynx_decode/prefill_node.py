@@ -20,12 +20,11 @@ import time
 from collections.abc import Callable
 
 from lynx_decode.codec_config import CodecConfig, Scheme
-from lynx_decode.kvstream import warm_up_codec, send_cache
+from lynx_decode.kvstream import send_cache, warm_up_codec
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.prefill_cache import PrefillCache
 from lynx_decode.request import MAX_PROMPT_BYTES, KVRequest, error_reply
-from lynx_transport import (Connection, Lane, Rate, ReceivePool, Receiver, ReceiveStream,
-                            TransportConfig, connect)
+from lynx_transport import Connection, Lane, Rate, ReceivePool, Receiver, ReceiveStream, TransportConfig, connect
 from lynx_transport.errors import DecodeError, LynxError, TransportError, TransportTimeoutError
 
 __all__ = ["PrefillNode"]

@@ -47,8 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lynx_decode.events import (Committed, DecodeMetrics, Done, Event, Rollback, Tentative,
-                                Unverified)
+from lynx_decode.events import Committed, DecodeMetrics, Done, Event, Rollback, Tentative, Unverified
 from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.protocol import CausalLM, LMCache
 from lynx_transport.errors import DecodeError, LynxError, PromptError

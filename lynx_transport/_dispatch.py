@@ -38,7 +38,7 @@ class Dispatcher:
             fn, args = item
             try:
                 fn(*args)
-            except Exception:  # noqa: BLE001 - a user callback must not kill the transport
+            except Exception:
                 log.exception("lynx callback %s raised", getattr(fn, "__name__", fn))
 
     def stop(self, timeout: float) -> None:

@@ -210,7 +210,7 @@ class IoLoop:
                 if timeout > 0 and not self.worker.arm():
                     timeout = 0.0
                 self._select(timeout)
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiter
+        except BaseException as exc:
             log.exception("lynx I/O thread crashed")
             self.on_crash(exc)
         finally:

@@ -20,18 +20,43 @@ from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
 from lynx_transport._receiver_rail import RailLoop
 from lynx_transport._receiver_state import _Conn, _Pending, _RxStream
-from lynx_transport.errors import (AuthenticationError, ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
-                                   PoolExhaustedError, ProtocolError, StreamCancelledError,
-                                   StreamFailedError, TransportError)
+from lynx_transport.errors import (
+    AuthenticationError,
+    ClosedError,
+    ConnectError,
+    ManifestError,
+    PeerDisconnectedError,
+    PoolExhaustedError,
+    ProtocolError,
+    StreamCancelledError,
+    StreamFailedError,
+    TransportError,
+)
 from lynx_transport.manifest import Manifest, decode_manifest
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
-from lynx_transport.wire import (NONCE_BYTES, Frame, FrameType, HelloFlags, OversizedFrame,
-                                 RejectReason, WelcomeFlags, pack_challenge, pack_stream_lane,
-                                 pack_stream_text, pack_stream_token, pack_u64, pack_welcome,
-                                 rail_of, unpack_chunk_sum, unpack_hello, unpack_proof,
-                                 unpack_stream_text, unpack_u64)
+from lynx_transport.wire import (
+    NONCE_BYTES,
+    Frame,
+    FrameType,
+    HelloFlags,
+    OversizedFrame,
+    RejectReason,
+    WelcomeFlags,
+    pack_challenge,
+    pack_stream_lane,
+    pack_stream_text,
+    pack_stream_token,
+    pack_u64,
+    pack_welcome,
+    rail_of,
+    unpack_chunk_sum,
+    unpack_hello,
+    unpack_proof,
+    unpack_stream_text,
+    unpack_u64,
+)
 
 if TYPE_CHECKING:
     from lynx_transport.receiver import Receiver

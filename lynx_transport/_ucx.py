@@ -19,8 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lynx_transport.errors import (ConnectError, PeerDisconnectedError, ProtocolError,
-                                   TransportError)
+from lynx_transport.errors import ConnectError, PeerDisconnectedError, ProtocolError, TransportError
 
 __all__ = ["UcxWorker", "check", "cancel", "as_bytes_view", "ensure_cuda_context"]
 

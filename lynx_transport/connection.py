@@ -38,9 +38,18 @@ from lynx_transport._loop import IoLoop
 from lynx_transport._ucx import UcxWorker
 from lynx_transport.clock import Clock, MonotonicClock
 from lynx_transport.config import TransportConfig
-from lynx_transport.errors import (AuthenticationError, ClosedError, ConnectError, ManifestError, PeerDisconnectedError,
-                                   PoolExhaustedError, ProtocolError, StreamCancelledError,
-                                   StreamFailedError, TransportError)
+from lynx_transport.errors import (
+    AuthenticationError,
+    ClosedError,
+    ConnectError,
+    ManifestError,
+    PeerDisconnectedError,
+    PoolExhaustedError,
+    ProtocolError,
+    StreamCancelledError,
+    StreamFailedError,
+    TransportError,
+)
 from lynx_transport.lanes import check_lane
 from lynx_transport.manifest import Manifest, RegionSpec, encode_manifest
 from lynx_transport.scheduler import Chunk, PriorityScheduler
@@ -48,11 +57,28 @@ from lynx_transport.send_stream import SendStream
 from lynx_transport.shaper import Rate, Shaper
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
-from lynx_transport.wire import (NONCE_BYTES, rail_of, Frame, FrameDecoder, FrameType, HelloFlags,
-                                 OversizedFrame, RejectReason, WelcomeFlags, encode_frame,
-                                 pack_chunk_sum, pack_hello, pack_u64, unpack_challenge, unpack_rate,
-                                 unpack_stream_lane, unpack_stream_text, unpack_stream_token,
-                                 unpack_u64, unpack_welcome)
+from lynx_transport.wire import (
+    NONCE_BYTES,
+    Frame,
+    FrameDecoder,
+    FrameType,
+    HelloFlags,
+    OversizedFrame,
+    RejectReason,
+    WelcomeFlags,
+    encode_frame,
+    pack_chunk_sum,
+    pack_hello,
+    pack_u64,
+    rail_of,
+    unpack_challenge,
+    unpack_rate,
+    unpack_stream_lane,
+    unpack_stream_text,
+    unpack_stream_token,
+    unpack_u64,
+    unpack_welcome,
+)
 
 __all__ = ["Connection", "connect"]
 
@@ -490,7 +516,7 @@ def _handshake(sock: socket.socket, deadline: float, clock: Clock,
     while True:
         left = deadline - clock.now()
         if left <= 0:
-            raise socket.timeout("handshake")
+            raise TimeoutError("handshake")
         sock.settimeout(left)
         data = sock.recv(1 << 16)
         if not data:

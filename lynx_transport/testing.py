@@ -400,8 +400,7 @@ class RawPeer:
         import secrets as _secrets  # noqa: PLC0415
 
         from lynx_transport import _auth  # noqa: PLC0415
-        from lynx_transport.wire import (FrameType, HelloFlags, pack_hello,  # noqa: PLC0415
-                                         unpack_challenge)
+        from lynx_transport.wire import FrameType, HelloFlags, pack_hello, unpack_challenge  # noqa: PLC0415
 
         nonce = _secrets.token_bytes(32)
         self.send(FrameType.HELLO, pack_hello(HelloFlags.AUTH if secret else HelloFlags.NONE, nonce))

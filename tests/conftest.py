@@ -18,12 +18,12 @@ import pytest
 def gpu_unavailable_reason() -> str | None:
     """None when CuPy and a CUDA device are usable, else why not."""
     try:
-        import cupy  # noqa: PLC0415
+        import cupy
     except ImportError:
         return "CuPy is not installed (pip install 'lynx-kv[gpu]')"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # noqa: BLE001 - the probe reports any CUDA failure
+    except Exception as exc:
         return f"no usable CUDA device ({type(exc).__name__}: {exc})"
     return None if count > 0 else "no CUDA device"
 

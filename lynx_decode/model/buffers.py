@@ -64,8 +64,15 @@ class KVBuffers:
     block still is.
     """
 
-    __slots__ = ("shape", "headroom", "storage_keys", "storage_values", "_written", "_cond",
-                 "_error")
+    __slots__ = (
+        "_cond",
+        "_error",
+        "_written",
+        "headroom",
+        "shape",
+        "storage_keys",
+        "storage_values",
+    )
 
     def __init__(self, shape: KVShape, *, headroom: int = 0) -> None:
         if headroom < 0:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import importlib.util
+import io
 import json
 import os
 import shutil

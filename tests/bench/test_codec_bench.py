@@ -19,7 +19,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ import pytest
 from lynx_decode import codec_pack as pk
 from lynx_decode import codec_quant as qt
 from lynx_decode.codec import decode_layer, encode_layer, int8_codes
-from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Split, Stream
+from lynx_decode.codec_config import CodecConfig, Scheme, Split, Stream
 from lynx_kernels import cpu_pack
 
 pytestmark = pytest.mark.bench

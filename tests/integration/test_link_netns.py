@@ -8,8 +8,8 @@ fails; the finalizer then asserts that nothing is left.
 from __future__ import annotations
 
 import json
-import signal
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator

@@ -46,7 +46,7 @@ def ids(model: HFCausalLM) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def prefill(model: HFCausalLM, ids: list[int]):  # noqa: ANN201
+def prefill(model: HFCausalLM, ids: list[int]):
     return model.prefill(ids)
 
 
@@ -70,7 +70,7 @@ def test_model_facts(model: HFCausalLM) -> None:
 
 
 def test_prefill_covers_all_but_the_last_token(model: HFCausalLM, ids: list[int],
-                                               prefill) -> None:  # noqa: ANN001
+                                               prefill) -> None:
     assert prefill.token_ids == tuple(ids)
     assert prefill.kv.shape == KVShape(30, 3, len(ids) - 1, 64)
     assert prefill.kv.complete and prefill.prefill_s > 0
@@ -86,7 +86,7 @@ def test_prefill_covers_all_but_the_last_token(model: HFCausalLM, ids: list[int]
 
 
 def test_first_step_on_a_filling_cache_waits_per_layer_and_equals_the_filled_one(
-        model: HFCausalLM, ids: list[int], prefill) -> None:  # noqa: ANN001
+        model: HFCausalLM, ids: list[int], prefill) -> None:
     import threading
     import time
 
@@ -123,7 +123,7 @@ def test_first_step_on_a_filling_cache_waits_per_layer_and_equals_the_filled_one
 
 
 def test_a_pass_over_an_arriving_cache_leaves_a_core_to_the_transport(
-        model: HFCausalLM, ids: list[int], prefill) -> None:  # noqa: ANN001
+        model: HFCausalLM, ids: list[int], prefill) -> None:
     """While some layer is missing the pass runs on one thread fewer (a core
     receives and dequantizes); once all are in, on all of torch's threads."""
     import torch
@@ -149,7 +149,7 @@ def test_a_pass_over_an_arriving_cache_leaves_a_core_to_the_transport(
 
 
 def test_imported_cache_equals_exported_and_is_never_written(model: HFCausalLM,
-                                                            ids: list[int], prefill) -> None:  # noqa: ANN001
+                                                            ids: list[int], prefill) -> None:
     copy = KVBuffers.from_layers(list(prefill.kv.keys), list(prefill.kv.values), headroom=4)
     before = copy.keys.copy(), copy.values.copy()
     cache = model.cache_from(copy)
@@ -162,7 +162,7 @@ def test_imported_cache_equals_exported_and_is_never_written(model: HFCausalLM,
 
 
 def test_verify_pass_matches_one_token_steps_and_crop_rolls_back(model: HFCausalLM,
-                                                                 ids: list[int], prefill) -> None:  # noqa: ANN001
+                                                                 ids: list[int], prefill) -> None:
     cache = model.cache_from(KVBuffers.from_layers(list(prefill.kv.keys),
                                                    list(prefill.kv.values), headroom=16))
     steps, x = [], ids[-1]
@@ -185,7 +185,7 @@ def test_verify_pass_matches_one_token_steps_and_crop_rolls_back(model: HFCausal
 
 
 def test_grouped_query_attention_equals_transformers_sdpa_bit_for_bit(
-        model: HFCausalLM, ids: list[int], prefill) -> None:  # noqa: ANN001
+        model: HFCausalLM, ids: list[int], prefill) -> None:
     from lynx_decode.model import attention
 
     assert model._model.config._attn_implementation == attention.NAME
@@ -207,7 +207,7 @@ def test_grouped_query_attention_equals_transformers_sdpa_bit_for_bit(
 
 
 def test_prefill_is_chunked_consistently(model: HFCausalLM, monkeypatch: pytest.MonkeyPatch,
-                                         ids: list[int], prefill) -> None:  # noqa: ANN001
+                                         ids: list[int], prefill) -> None:
     import lynx_decode.model.hf as hf
 
     monkeypatch.setattr(hf, "PREFILL_CHUNK", 37)
@@ -278,7 +278,7 @@ def test_importing_the_adapter_does_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_prefill_cache_with_the_real_model(model: HFCausalLM, ids: list[int], prefill,  # noqa: ANN001
+def test_prefill_cache_with_the_real_model(model: HFCausalLM, ids: list[int], prefill,
                                            tmp_path: Path) -> None:
     cache = PrefillCache(tmp_path)
     cache.store(model.info.model_id, prefill)

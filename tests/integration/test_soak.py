@@ -21,8 +21,7 @@ import numpy as np
 import psutil
 import pytest
 
-from lynx_transport import _ucx
-from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig
+from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, _ucx
 from lynx_transport.errors import LynxError
 from lynx_transport.testing import PeerProcess, RawPeer, pattern, sender_server, wait_until
 from lynx_transport.wire import FrameType

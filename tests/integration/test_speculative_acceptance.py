@@ -78,8 +78,8 @@ def _accepted(model: HFCausalLM, ids: list[int], kv: KVBuffers, drafts: list[int
     return n
 
 
-def measure_prompt(model: HFCausalLM, ids: list[int], bits_list=(2, 3, 4),  # noqa: ANN001
-                   splits=None) -> list[dict]:  # noqa: ANN001
+def measure_prompt(model: HFCausalLM, ids: list[int], bits_list=(2, 3, 4),
+                   splits=None) -> list[dict]:
     from lynx_decode.codec_config import Split
 
     prefill = model.prefill(ids)

@@ -25,7 +25,6 @@ import pytest
 from lynx_decode.events import Committed, Done, Event, Rollback, Tentative
 from lynx_decode.model import HFCausalLM, KVBuffers, Prefill
 from lynx_decode.speculative import DecodeConfig, decode_events, generate, ready
-
 from tests._speculative_helpers import LandsWhenAwaited
 
 from .test_model import TEXT, load_model
@@ -60,7 +59,7 @@ def greedy(model: HFCausalLM, ids: list[int], kv: KVBuffers, n: int) -> tuple[in
     return tuple(out)
 
 
-def copy_kv(kv: KVBuffers, transform=lambda layer, k, v: (k, v)) -> KVBuffers:  # noqa: ANN001
+def copy_kv(kv: KVBuffers, transform=lambda layer, k, v: (k, v)) -> KVBuffers:
     out = KVBuffers(kv.shape, headroom=HEADROOM)
     for i in range(kv.shape.num_layers):
         k, v = transform(i, kv.keys[i], kv.values[i])
@@ -109,11 +108,11 @@ def test_corrupted_draft_cache_rolls_back_and_commits_greedy(model: HFCausalLM,
     ids, prefill, expected = short_case()
     rng = np.random.default_rng(7)
     if damage == "noise":
-        def transform(i, k, v):  # noqa: ANN001, ANN202
+        def transform(i, k, v):
             return (k + rng.normal(0, 2.0, k.shape).astype(np.float32),
                     v + rng.normal(0, 2.0, v.shape).astype(np.float32))
     else:
-        def transform(i, k, v):  # noqa: ANN001, ANN202
+        def transform(i, k, v):
             return (np.zeros_like(k), np.zeros_like(v)) if i % 3 == 0 else (k, v)
     events = run_speculative(model, ids, copy_kv(prefill.kv), copy_kv(prefill.kv, transform),
                              land_after=8, max_new=N)
@@ -217,11 +216,11 @@ def check_codec_prompt(model: HFCausalLM, case: tuple[str, float | None, int]) -
 # One prompt in the default run (the two-process test in test_kv_two_process.py covers
 # five prompts x three anchor widths end to end); the others under `slow`.
 @pytest.mark.parametrize("case", CODEC_SEEDS[:1], ids=lambda c: f"{c[0]}-{c[2]}")
-def test_lynx_commits_exactly_int8_greedy(model: HFCausalLM, case) -> None:  # noqa: ANN001
+def test_lynx_commits_exactly_int8_greedy(model: HFCausalLM, case) -> None:
     check_codec_prompt(model, case)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CODEC_SEEDS[1:], ids=lambda c: f"{c[0]}-{c[2]}")
-def test_lynx_commits_exactly_int8_greedy_more_prompts(model: HFCausalLM, case) -> None:  # noqa: ANN001
+def test_lynx_commits_exactly_int8_greedy_more_prompts(model: HFCausalLM, case) -> None:
     check_codec_prompt(model, case)

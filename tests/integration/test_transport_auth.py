@@ -111,6 +111,5 @@ def test_a_silent_unauthenticated_peer_is_dropped_after_the_handshake_timeout() 
 def test_a_sender_with_a_secret_refuses_a_receiver_that_cannot_prove_it() -> None:
     """The sender never hands an unauthenticated worker address to UCX."""
     # a garbage address: UCX would abort the process if it were used
-    with fake_receiver(b"\x0f" * 64) as address:
-        with pytest.raises(AuthenticationError, match="did not authenticate"):
-            connect(address, timeout=5, config=TransportConfig(secret=SECRET))
+    with fake_receiver(b"\x0f" * 64) as address, pytest.raises(AuthenticationError, match="did not authenticate"):
+        connect(address, timeout=5, config=TransportConfig(secret=SECRET))

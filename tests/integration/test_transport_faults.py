@@ -12,16 +12,19 @@ import time
 import numpy as np
 import pytest
 
-from lynx_transport import wire
-from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
-from lynx_transport.errors import (ClosedError, ConnectError, PeerDisconnectedError,
-                                   StreamCancelledError)
+from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect, wire
+from lynx_transport.errors import ClosedError, ConnectError, PeerDisconnectedError, StreamCancelledError
 from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
 from lynx_transport.shaper import Rate
-from lynx_transport.testing import (PeerProcess, fake_receiver, pattern, receiver_server,
-                                    sender_server)
-from lynx_transport.wire import (FrameDecoder, FrameType, RejectReason, encode_frame,
-                                 unpack_stream_text, unpack_stream_token)
+from lynx_transport.testing import PeerProcess, fake_receiver, pattern, receiver_server, sender_server
+from lynx_transport.wire import (
+    FrameDecoder,
+    FrameType,
+    RejectReason,
+    encode_frame,
+    unpack_stream_text,
+    unpack_stream_token,
+)
 
 pytestmark = pytest.mark.ucx
 
@@ -250,7 +253,7 @@ def test_close_wakes_a_blocked_next_stream_with_closed_error() -> None:
     def wait() -> None:
         try:
             rx.next_stream(timeout=30)
-        except BaseException as exc:  # noqa: BLE001 - inspected below
+        except BaseException as exc:
             got.append(exc)
 
     t = threading.Thread(target=wait)
@@ -290,9 +293,8 @@ def test_close_leaves_no_threads_or_file_descriptors_behind() -> None:
 
 
 def test_a_welcome_with_a_garbage_worker_address_is_a_connect_error() -> None:
-    with fake_receiver(b"garbage") as address:
-        with pytest.raises(ConnectError, match="malformed"):
-            connect(address, timeout=5)
+    with fake_receiver(b"garbage") as address, pytest.raises(ConnectError, match="malformed"):
+        connect(address, timeout=5)
     assert _lynx_threads() == []
 
 

@@ -18,8 +18,7 @@ from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportCo
 from lynx_transport.errors import ProtocolError
 from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
 from lynx_transport.testing import RawDataPath, RawPeer, pattern
-from lynx_transport.wire import (FrameType, pack_chunk_sum, unpack_stream_text,
-                                 unpack_stream_token, unpack_welcome)
+from lynx_transport.wire import FrameType, pack_chunk_sum, unpack_stream_token, unpack_welcome
 
 pytestmark = pytest.mark.ucx
 
@@ -66,7 +65,7 @@ def run_case(chunks, sums, nbytes: int = 2 * CHUNK) -> Outcome:
                     data.send((token << 32) | index, payload)
                 try:
                     stream.wait(1.0)  # < peer_timeout_s: the raw peer sends no heartbeats
-                except Exception:  # noqa: BLE001 - the state is asserted by the caller
+                except Exception:
                     pass
             region = stream.regions[0]
             outside = np.concatenate([pool.view(0, region.offset),
@@ -189,8 +188,7 @@ def test_a_receivers_bogus_lane_confirmation_breaks_the_connection(lane: int, me
     import threading
 
     from lynx_transport._ucx import UcxWorker
-    from lynx_transport.wire import (FrameDecoder, encode_frame, pack_stream_lane,
-                                     pack_stream_token, pack_welcome)
+    from lynx_transport.wire import FrameDecoder, encode_frame, pack_stream_lane, pack_stream_token, pack_welcome
 
     with socket.socket() as fake:
         fake.bind(("127.0.0.1", 0))

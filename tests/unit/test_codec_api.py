@@ -9,8 +9,8 @@ import torch
 
 import lynx_decode
 from lynx_decode import Backend, CodecConfig, LayerLayout, Scheme, Stream, decode_layer, encode_layer
-from lynx_decode.codec_config import Split
 from lynx_decode.codec import int8_codes
+from lynx_decode.codec_config import Split
 from lynx_transport.errors import BackendError, CodecError, LayoutError
 
 H, T, D = 3, 130, 64

@@ -64,7 +64,7 @@ def host_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 class HostCudaOps(CupyOps):
     """CupyOps with its launches run on the host by the compiled kernel bodies."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:  # noqa: D107 - no CuPy, no device
+    def __init__(self, lib: ctypes.CDLL) -> None:
         ReferenceOps.__init__(self, np)
         self._lib = lib
 

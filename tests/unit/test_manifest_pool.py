@@ -55,7 +55,7 @@ def test_random_alloc_free_never_overlaps_and_coalesces(ops: list) -> None:
         live.extend(zip(offs, sizes))
         spans = sorted((o, o + max(s, 1)) for o, s in live)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-        assert all(0 <= o and e <= pool.nbytes for o, e in spans)
+        assert all(o >= 0 and e <= pool.nbytes for o, e in spans)
     for off, size in live:
         pool.release(off, size)
     assert pool.free_bytes == pool.nbytes

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from lynx_bench.plots import plot_accuracy, plot_ttft_vs_bandwidth
-from lynx_bench.results import (COLUMNS, Row, ratio_table, read_results, summary_table,
-                                ttft_ratios, write_results)
+from lynx_bench.results import COLUMNS, Row, ratio_table, read_results, summary_table, ttft_ratios, write_results
 
 
 def _rows() -> list[Row]:

@@ -140,7 +140,7 @@ def _smollm2_folder() -> str:
 
 @pytest.mark.model
 def test_real_tokenizer_hits_target_length() -> None:
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer
 
     folder = _smollm2_folder()
     gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
