@@ -18,18 +18,27 @@ Sender (prefill node)::
                              metadata=b"...")
         s.wait(timeout=30)                        # confirmed by the receiver
 
-Threads and futures: each Receiver/Connection runs one I/O thread that owns
-its UCX worker; receiver callbacks run on one callback thread. Every blocking
-call takes a timeout. Errors: :mod:`lynx_transport.errors`.
+A sender with several receivers shares one ``Egress`` (one scheduler, so lane
+priority and the node's link rate hold across all of them)::
+
+    with Egress(config) as egress:
+        a, b = egress.connect(rx_a, timeout=5), egress.connect(rx_b, timeout=5)
+
+Threads and futures: each Receiver and each Egress (a Connection from
+``connect`` has one of its own) runs one I/O thread that owns its UCX worker;
+receiver callbacks run on one callback thread. Every blocking call takes a
+timeout. Errors: :mod:`lynx_transport.errors`.
 """
 
 from lynx_transport.config import TransportConfig
 from lynx_transport.connection import Connection, connect
+from lynx_transport.egress import Egress
 from lynx_transport.errors import LynxError, TransportError
 from lynx_transport.lanes import Lane
 from lynx_transport.pool import PoolMemory, ReceivePool
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.receiver import Receiver
+from lynx_transport.scheduler import LanePolicy
 from lynx_transport.send_stream import SendStream
 from lynx_transport.shaper import Rate
 from lynx_transport.state import StreamState
@@ -37,7 +46,9 @@ from lynx_transport.stats import LaneStats, TransportStats
 
 __all__ = [
     "Connection",
+    "Egress",
     "Lane",
+    "LanePolicy",
     "LaneStats",
     "LynxError",
     "PoolMemory",

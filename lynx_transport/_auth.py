@@ -18,12 +18,25 @@ to such a peer. The secret itself never appears in a message, log or repr.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
+import secrets
 
-from lynx_transport.wire import MAC_BYTES
+from lynx_transport.errors import ProtocolError
+from lynx_transport.wire import (
+    MAC_BYTES,
+    NONCE_BYTES,
+    Frame,
+    FrameType,
+    HelloFlags,
+    OversizedFrame,
+    pack_challenge,
+    unpack_hello,
+    unpack_proof,
+)
 
-__all__ = ["receiver_mac", "sender_mac", "verify"]
+__all__ = ["receiver_mac", "sender_mac", "verify", "HandshakeStep", "receiver_step"]
 
 _RX_LABEL = b"lynx-rx"
 _TX_LABEL = b"lynx-tx"
@@ -43,3 +56,44 @@ def verify(expected: bytes, got: bytes) -> bool:
     """Constant-time comparison of two MACs (a wrong length is simply unequal)."""
     assert len(expected) == MAC_BYTES
     return hmac.compare_digest(expected, got)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandshakeStep:
+    """What a receiver does with one frame before WELCOME: exactly one field is set.
+
+    ``welcome``: send WELCOME. ``challenge``: remember ``(nonce_s, nonce_r)`` and
+    send CHALLENGE (``challenge_payload``). ``deny``: refuse, with this reason.
+    """
+
+    welcome: bool = False
+    challenge: tuple[bytes, bytes] | None = None
+    challenge_payload: bytes = b""
+    deny: str | None = None
+
+
+def receiver_step(secret: bytes | None, challenge: tuple[bytes, bytes] | None,
+                  frame: Frame | OversizedFrame) -> HandshakeStep:
+    """The receiver's side of HELLO [-> CHALLENGE, PROOF] -> WELCOME.
+
+    ``challenge``: the nonces of a CHALLENGE already sent (awaiting PROOF).
+    Raises ``ProtocolError`` for a first frame other than HELLO when no secret is set.
+    """
+    if isinstance(frame, Frame) and frame.type is FrameType.HELLO and challenge is None:
+        flags, nonce_s = unpack_hello(frame.payload)
+        if secret is None:
+            return HandshakeStep(welcome=True)
+        if not flags & HelloFlags.AUTH:
+            return HandshakeStep(deny="this receiver requires a shared secret; the sender has none")
+        nonce_r = secrets.token_bytes(NONCE_BYTES)
+        return HandshakeStep(challenge=(nonce_s, nonce_r), challenge_payload=pack_challenge(
+            nonce_r, receiver_mac(secret, nonce_s, nonce_r)))
+    if (isinstance(frame, Frame) and frame.type is FrameType.PROOF
+            and challenge is not None and secret is not None):
+        nonce_s, nonce_r = challenge
+        if verify(sender_mac(secret, nonce_r, nonce_s), unpack_proof(frame.payload)):
+            return HandshakeStep(welcome=True)
+        return HandshakeStep(deny="wrong shared secret")
+    if secret is not None:
+        return HandshakeStep(deny=f"unexpected {frame.type.name} frame before authentication")
+    raise ProtocolError("the first frame on a connection must be HELLO")

@@ -1,4 +1,10 @@
-"""A non-blocking, framed control socket (owned by an I/O thread)."""
+"""A non-blocking, framed control socket (owned by an I/O thread), and the peer-liveness rule.
+
+Both sides keep a control connection alive the same way
+(:meth:`ControlSocket.keep_alive`): a heartbeat when this side has been silent
+for ``heartbeat_interval_s``, and the peer declared lost
+(``PeerDisconnectedError``) after ``peer_timeout_s`` without a byte from it.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ class ControlSocket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         try:
-            self.peer = "%s:%s" % sock.getpeername()[:2]
+            host, port = sock.getpeername()[:2]
+            self.peer = f"{host}:{port}"
         except OSError:
             self.peer = "?"
         self._decoder = FrameDecoder(max_payload)
@@ -49,6 +56,27 @@ class ControlSocket:
             except OSError as exc:
                 raise PeerDisconnectedError(f"control connection to {self.peer} broke: {exc}") from exc
             del self._out[:n]
+
+    def keep_alive(self, now: float, heartbeat_s: float, timeout_s: float, who: str = "peer",
+                   heartbeat: bool = True) -> float:
+        """Flush, check the peer is alive, send a heartbeat when one is due.
+
+        Raises ``PeerDisconnectedError`` when nothing arrived for ``timeout_s``
+        (``who`` names the peer in the message) or the socket broke; sends a
+        HEARTBEAT when this side said nothing for ``heartbeat_s`` (unless
+        ``heartbeat`` is false: not yet welcomed). Returns when the next check
+        is due.
+        """
+        self.flush()
+        if now - self.last_rx > timeout_s:
+            raise PeerDisconnectedError(f"{who} {self.peer} silent for {now - self.last_rx:.2f} s "
+                                        f"(limit {timeout_s} s)")
+        due = self.last_rx + timeout_s
+        if heartbeat:
+            if now - self.last_tx >= heartbeat_s:
+                self.send(FrameType.HEARTBEAT, b"", now)
+            due = min(due, self.last_tx + heartbeat_s)
+        return due
 
     @property
     def pending_output(self) -> bool:

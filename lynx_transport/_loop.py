@@ -18,7 +18,11 @@ measured with ``lynx sweep``). While requests are pending the sleep is
 capped at 50 ms, so a UCX event that never reaches the fd costs a stall,
 not a hang. A near deadline (the shaper's next token) is slept with
 ``time.sleep``, which is precise to ~0.1 ms, where epoll rounds up to whole
-milliseconds.
+milliseconds; the sockets are read right after it, before the next
+scheduling decision, so a frame that arrived meanwhile (an ACCEPT for an
+anchor) is not held back by the chunk that decision sends (measured here on
+a 1 Gbit/s shaped egress: an anchor's first chunk went ~2 ms, one chunk
+time, after its ACCEPT before, 0.05 ms after).
 """
 
 from __future__ import annotations
@@ -204,8 +208,11 @@ class IoLoop:
                     timeout = min(timeout, _PENDING_SLEEP_MAX_S)
                 if timeout < _PRECISE_SLEEP_S:
                     # a near deadline (the shaper's next token): epoll rounds up
-                    # to whole milliseconds, which would cost a shaped link its rate
+                    # to whole milliseconds, which would cost a shaped link its rate;
+                    # then read what arrived meanwhile before the next decision (an
+                    # ACCEPT for an anchor must not wait behind another chunk time)
                     time.sleep(timeout)
+                    self._select(0)
                     continue
                 if timeout > 0 and not self.worker.arm():
                     timeout = 0.0

@@ -1,25 +1,28 @@
 """The receiver's I/O thread: accepting connections, admitting manifests, landing chunks.
 
 All state here is owned by the ``lynx-rx-io`` thread (see :mod:`lynx_transport._loop`);
-the public face is :class:`lynx_transport.receiver.Receiver`.
+the public face is :class:`lynx_transport.receiver.Receiver`, which hands the
+loop what it needs (pool, config, clock, the callback thread's ``post``, the
+callbacks, where opened streams go) rather than itself.
 """
 
 from __future__ import annotations
 
 import collections
-import ipaddress
 import logging
-import secrets
 import selectors
 import socket
-import zlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from lynx_transport import _auth, _ucx
 from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
-from lynx_transport._receiver_rail import RailLoop
+from lynx_transport._receiver_quarantine import Quarantine
+from lynx_transport._receiver_rail import RailLoop, cancel_receives, post_receives
 from lynx_transport._receiver_state import _Conn, _Pending, _RxStream
+from lynx_transport.clock import Clock
+from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     AuthenticationError,
     ClosedError,
@@ -33,44 +36,31 @@ from lynx_transport.errors import (
     TransportError,
 )
 from lynx_transport.manifest import Manifest, decode_manifest
+from lynx_transport.pool import ReceivePool
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
+from lynx_transport.shaper import Rate
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
 from lynx_transport.wire import (
-    NONCE_BYTES,
     Frame,
     FrameType,
-    HelloFlags,
     OversizedFrame,
     RejectReason,
     WelcomeFlags,
-    pack_challenge,
+    pack_rate,
     pack_stream_lane,
     pack_stream_text,
     pack_stream_token,
     pack_u64,
     pack_welcome,
-    rail_of,
     unpack_chunk_sum,
-    unpack_hello,
-    unpack_proof,
     unpack_stream_text,
     unpack_u64,
 )
 
-if TYPE_CHECKING:
-    from lynx_transport.receiver import Receiver
-
-__all__ = ["RxLoop", "QUARANTINE_S", "MAX_UNCLAIMED"]
+__all__ = ["RxLoop", "MAX_UNCLAIMED", "CALLBACKS"]
 
 log = logging.getLogger("lynx_transport")
-
-#: A failed stream's UCX receives stay posted, and its pool blocks stay taken,
-#: this long before the receives are cancelled (explicitly) and the blocks
-#: reused (once every receive has finished): a receive that was matched mid-transfer finishes (or errors) first.
-#: Cancelling a matched receive while its dead peer's transfer was unwinding
-#: crashed UCX in testing.
-QUARANTINE_S = 0.2
 
 #: Opened streams kept for ``Receiver.next_stream`` until claimed.
 MAX_UNCLAIMED = 1024
@@ -81,39 +71,47 @@ HANDSHAKE_MAX_PAYLOAD = 256
 #: Heartbeats and quarantine may run this late; keeps the loop polling, not sleeping.
 HOUSEKEEPING_SLACK_S = 0.01
 
-
-
-def _net_devices(host: str) -> str:
-    """A receiver bound to loopback exposes its UCX worker on ``lo`` only."""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    return "lo" if loopback else "all"
+#: The callbacks a receiver may set (``Receiver``'s keyword arguments).
+CALLBACKS = ("on_stream_open", "on_chunk", "on_region", "on_lane_complete", "on_stream_complete",
+             "on_stream_failed")
 
 
 class RxLoop(IoLoop):
-    def __init__(self, owner: Receiver, listen: socket.socket) -> None:
-        device = owner.pool.device
+    """``post(callback, *args)`` runs a callback (``None``: skipped) on the callback
+    thread; ``callbacks`` maps each name of :data:`CALLBACKS` to one (or ``None``);
+    ``opened`` gets every admitted stream (for ``next_stream``), on this thread;
+    ``release`` is what ``ReceiveStream.release`` calls."""
+
+    def __init__(self, listen: socket.socket, pool: ReceivePool, config: TransportConfig,
+                 clock: Clock, *, net_devices: str, post: Callable[..., None],
+                 callbacks: Mapping[str, Callable[..., Any] | None],
+                 opened: Callable[[ReceiveStream], None],
+                 release: Callable[[ReceiveStream], None]) -> None:
+        device = pool.device
         init = None if device is None else (lambda: _ucx.ensure_cuda_context(device))
-        net_devices = owner.config.ucx_net_devices or _net_devices(owner.address[0])
-        super().__init__("lynx-rx-io", owner.config.ucx_tls, owner.clock, init,
-                         net_devices=net_devices, nice=owner.config.thread_nice)
-        self.o = owner
+        super().__init__("lynx-rx-io", config.ucx_tls, clock, init,
+                         net_devices=net_devices, nice=config.thread_nice)
+        self.pool = pool
+        self.config = config
+        self.post = post
+        self.cb = {name: callbacks.get(name) for name in CALLBACKS}
+        self.opened = opened
+        self.release = release
+        self.requested_rate: Rate | None = None  # Receiver.request_rate, for every sender
         self.listen = listen
         self.conns: dict[int, _Conn] = {}
-        self.quarantine: list[tuple[float, list[tuple[int, int]], list[Any], int]] = []
+        self.rails: list[RailLoop] = []
+        # a failed stream's receives are cancelled on the rail that posted them
+        self.quarantine = Quarantine(pool, lambda requests: cancel_receives(requests, self.rails))
         self.waiting: collections.deque[tuple[float, _Conn, Manifest]] = collections.deque()
-        self.tokens_in_use: set[int] = set()
         self.counters = LaneCounters()
         self.completed = 0
         self.failed = 0
-        self.max_payload = owner.config.manifest_limits.max_encoded_bytes
-        self.rails: list[RailLoop] = []
+        self.max_payload = config.manifest_limits.max_encoded_bytes
         try:
-            for i in range(1, owner.config.rails):
-                self.rails.append(RailLoop(i, self.wake, owner.config.ucx_tls, owner.clock, init,
-                                           net_devices, owner.config.thread_nice))
+            for i in range(1, config.rails):
+                self.rails.append(RailLoop(i, self.wake, config.ucx_tls, clock, init,
+                                           net_devices, config.thread_nice))
         except BaseException:
             for rail in self.rails:
                 rail.discard()
@@ -201,7 +199,7 @@ class RxLoop(IoLoop):
                 self.fail(rx, StreamFailedError(f"sender failed stream {sid}: {text}"),
                           StreamState.FAILED)
         elif t is FrameType.CHUNK_SUM:
-            if not self.o.config.verify_chunks:
+            if not self.config.verify_chunks:
                 raise ProtocolError("CHUNK_SUM from a sender that was not asked for checksums")
             self.on_chunk_sum(conn, frame.payload)
         elif t is FrameType.HEARTBEAT:
@@ -213,38 +211,21 @@ class RxLoop(IoLoop):
 
     def on_handshake(self, conn: _Conn, frame: Frame | OversizedFrame) -> None:
         """HELLO [-> CHALLENGE, PROOF] -> WELCOME; see :mod:`lynx_transport._auth`."""
-        secret = self.o.config.secret
-        if isinstance(frame, Frame) and frame.type is FrameType.HELLO and conn.challenge is None:
-            flags, nonce_s = unpack_hello(frame.payload)
-            if secret is None:
-                self.welcome(conn)
-            elif not flags & HelloFlags.AUTH:
-                self.deny(conn, "this receiver requires a shared secret; the sender has none")
-            else:
-                nonce_r = secrets.token_bytes(NONCE_BYTES)
-                conn.challenge = (nonce_s, nonce_r)
-                self.send(conn, FrameType.CHALLENGE,
-                          pack_challenge(nonce_r, _auth.receiver_mac(secret, nonce_s, nonce_r)))
-            return
-        if (isinstance(frame, Frame) and frame.type is FrameType.PROOF
-                and conn.challenge is not None and secret is not None):
-            nonce_s, nonce_r = conn.challenge
-            if _auth.verify(_auth.sender_mac(secret, nonce_r, nonce_s), unpack_proof(frame.payload)):
-                conn.challenge = None
-                self.welcome(conn)
-            else:
-                self.deny(conn, "wrong shared secret")
-            return
-        if secret is not None:
-            self.deny(conn, f"unexpected {frame.type.name} frame before authentication")
-            return
-        raise ProtocolError("the first frame on a connection must be HELLO")
+        step = _auth.receiver_step(self.config.secret, conn.challenge, frame)
+        if step.deny is not None:
+            self.deny(conn, step.deny)
+        elif step.challenge is not None:
+            conn.challenge = step.challenge
+            self.send(conn, FrameType.CHALLENGE, step.challenge_payload)
+        else:
+            conn.challenge = None
+            self.welcome(conn)
 
     def welcome(self, conn: _Conn) -> None:
         conn.hello = True
         conn.ctl.limit(self.max_payload)
-        rate = self.o._requested_rate
-        flags = WelcomeFlags.CHUNK_SUMS if self.o.config.verify_chunks else WelcomeFlags.NONE
+        rate = self.requested_rate
+        flags = WelcomeFlags.CHUNK_SUMS if self.config.verify_chunks else WelcomeFlags.NONE
         addresses = [self.worker.address] + [rail.worker.address for rail in self.rails]
         self.send(conn, FrameType.WELCOME, pack_welcome(
             addresses, rate.gbps if rate else 0.0, rate.burst_bytes if rate else 0, flags))
@@ -262,17 +243,19 @@ class RxLoop(IoLoop):
         log.warning("rejected stream %d from %s: %s", sid, conn.ctl.peer, text)
         self.send(conn, FrameType.REJECT, pack_stream_text(sid, reason, text))
 
-    def alloc_token(self) -> int:
-        """A random 32-bit tag token, not in use (not guessable by another UCX peer)."""
-        for _ in range(1000):
-            token = secrets.randbits(32)
-            if token and token not in self.tokens_in_use:
-                self.tokens_in_use.add(token)
-                return token
-        raise TransportError("no free stream token")
+    def request_rate(self, rate: Rate | None) -> None:
+        """Ask every connected sender (and, in WELCOME, every later one) to hold to ``rate``."""
+        self.requested_rate = rate
+        payload = pack_rate(rate.gbps, rate.burst_bytes) if rate else pack_rate(0.0, 0)
+        for conn in list(self.conns.values()):
+            if conn.hello:
+                try:
+                    self.send(conn, FrameType.RATE, payload)
+                except TransportError as exc:
+                    self.drop_conn(conn, exc)
 
     def on_open(self, conn: _Conn, payload: bytes) -> None:
-        limits = self.o.config.manifest_limits
+        limits = self.config.manifest_limits
         sid = int.from_bytes(payload[:8].ljust(8, b"\0"), "big")
         try:
             manifest = decode_manifest(payload, limits)
@@ -285,7 +268,7 @@ class RxLoop(IoLoop):
         if any(sid == m.stream_id for _, c, m in self.waiting if c is conn):
             self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already waiting")
             return
-        self.waiting.append((self.clock.now() + self.o.config.pool_wait_s, conn, manifest))
+        self.waiting.append((self.clock.now() + self.config.pool_wait_s, conn, manifest))
         self.admit_waiting(self.clock.now())
 
     def drop_waiting(self, conn: _Conn, sid: int) -> None:
@@ -306,9 +289,9 @@ class RxLoop(IoLoop):
                 self.waiting.popleft()
                 continue
             try:
-                offsets = self.o.pool.allocate([r.nbytes for r in manifest.regions])
+                offsets = self.pool.allocate([r.nbytes for r in manifest.regions])
             except PoolExhaustedError as exc:
-                too_big = manifest.total_bytes > self.o.pool.nbytes
+                too_big = manifest.total_bytes > self.pool.nbytes
                 if until <= now or too_big:
                     self.waiting.popleft()
                     try:
@@ -328,17 +311,15 @@ class RxLoop(IoLoop):
         sid = manifest.stream_id
         regions = tuple(ReceivedRegion(r.name, r.lane, r.nbytes, off)
                         for r, off in zip(manifest.regions, offsets))
-        handle = ReceiveStream(manifest, regions, self.o.pool, conn.ctl.peer, self.o._release_from_user)
-        rx = _RxStream(handle, self.alloc_token(), conn)
+        handle = ReceiveStream(manifest, regions, self.pool, conn.ctl.peer, self.release)
+        rx = _RxStream(handle, self.quarantine.alloc_token(), conn)
         conn.streams[sid] = rx
         handle._abandon = lambda reason, timeout: self.run(lambda: self.abandon(rx, reason), timeout)
         handle._go = lambda lane, timeout: self.run(lambda: self.lane_go(rx, lane), timeout)
-        self.o._dispatch.post(self.o._cb["on_stream_open"], handle)
-        with self.o._opened_cond:
-            self.o._opened.append(handle)
-            self.o._opened_cond.notify()
+        self.post(self.cb["on_stream_open"], handle)
+        self.opened(handle)
         try:
-            self.post_receives(rx, manifest, regions)
+            post_receives(self.worker, self.rails, self.pool, rx, manifest, regions)
         except TransportError as exc:
             self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
             return
@@ -347,39 +328,6 @@ class RxLoop(IoLoop):
             self.counters.started(lane, self.clock.now())
         self.send(conn, FrameType.ACCEPT, pack_stream_token(sid, rx.token))
         self.finish_empty(rx)
-
-    def post_receives(self, rx: _RxStream, manifest: Manifest, regions: tuple[ReceivedRegion, ...]) -> None:
-        cb = manifest.chunk_bytes
-        pool = self.o.pool
-        base = rx.token << 32
-        n_rails = 1 + len(self.rails)
-        # (pending, view) of the chunks each extra rail posts on its own thread
-        handed: list[list[tuple[_Pending, Any]]] = [[] for _ in self.rails]
-        for i, (r, first) in enumerate(zip(regions, manifest.first_chunk_indices())):
-            q = rx.pending[r.lane]
-            for k, off in enumerate(range(0, r.nbytes, cb)):
-                n, index = min(cb, r.nbytes - off), first + k
-                rail = rail_of(index, n_rails)  # the sender picks the same endpoint
-                view = pool.view(r.offset + off, n)
-                p = _Pending(None, i, off, n, index, r.lane, rail)
-                if rail:
-                    handed[rail - 1].append((p, view))
-                else:
-                    try:
-                        p.request = self.worker.tag_recv(view, base | index)
-                    except Exception as exc:
-                        raise TransportError(f"cannot post a UCX receive: {exc}") from exc
-                q.append(p)
-        for rail, chunks in zip(self.rails, handed):
-            if not chunks:
-                continue
-            receives = [(view, base | p.index) for p, view in chunks]
-            try:
-                requests = rail.run(lambda rail=rail, receives=receives: rail.post(receives), 5.0)
-            except Exception as exc:
-                raise TransportError(f"cannot post UCX receives on a receive rail: {exc}") from exc
-            for (p, _), req in zip(chunks, requests):
-                p.request = req
 
     def finish_empty(self, rx: _RxStream) -> None:
         """Regions and lanes with no bytes are complete as soon as the stream opens."""
@@ -396,13 +344,13 @@ class RxLoop(IoLoop):
     def region_landed(self, rx: _RxStream, i: int) -> None:
         region = rx.handle.regions[i]
         rx.handle._completion.region_done(region.name)
-        self.o._dispatch.post(self.o._cb["on_region"], rx.handle, region)
+        self.post(self.cb["on_region"], rx.handle, region)
 
     def lane_landed(self, rx: _RxStream, lane: int) -> None:
         rx.lanes_open.discard(lane)
         if rx.handle._completion.lane_done(lane, self.clock.now()):
             self.send(rx.conn, FrameType.LANE_DONE, pack_stream_lane(rx.handle.stream_id, lane))
-            self.o._dispatch.post(self.o._cb["on_lane_complete"], rx.handle, lane)
+            self.post(self.cb["on_lane_complete"], rx.handle, lane)
 
     def stream_landed(self, rx: _RxStream) -> None:
         if rx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
@@ -410,9 +358,9 @@ class RxLoop(IoLoop):
             self.completed += 1
             del rx.conn.streams[rx.handle.stream_id]
             rx.conn.completed_ids.append(rx.handle.stream_id)
-            self.tokens_in_use.discard(rx.token)
+            self.quarantine.free_token(rx.token)
             self.send(rx.conn, FrameType.STREAM_DONE, pack_u64(rx.handle.stream_id))
-            self.o._dispatch.post(self.o._cb["on_stream_complete"], rx.handle)
+            self.post(self.cb["on_stream_complete"], rx.handle)
 
     def lane_go(self, rx: _RxStream, lane: int) -> None:
         """``ReceiveStream.release_lane``: let the sender send a lane it holds."""
@@ -444,22 +392,22 @@ class RxLoop(IoLoop):
         rx.unverified.clear()
         blocks = [(r.offset, r.nbytes) for r in h.regions] if h._mark_released() else []
         # the token stays taken too: no new stream's tags may match these receives
-        self.quarantine.append((self.clock.now() + QUARANTINE_S, blocks, requests, rx.token))
+        self.quarantine.hold(self.clock.now(), blocks, requests, rx.token)
         if tell_peer and not rx.conn.ctl.closed:
             try:
                 self.send(rx.conn, FrameType.STREAM_FAILED, pack_stream_text(h.stream_id, 0, str(exc)))
             except TransportError:
                 pass
-        self.o._dispatch.post(self.o._cb["on_stream_failed"], h, exc)
+        self.post(self.cb["on_stream_failed"], h, exc)
 
     def chunk_landed(self, rx: _RxStream, p: _Pending, now: float) -> None:
         """Account one chunk whose bytes are in place (and verified, if asked)."""
         lane = p.lane
         self.counters.add(lane, p.nbytes, now)
         region = rx.handle.regions[p.region]
-        on_chunk = self.o._cb["on_chunk"]
+        on_chunk = self.cb["on_chunk"]
         if on_chunk is not None:
-            self.o._dispatch.post(on_chunk, rx.handle, region, p.offset, p.nbytes)
+            self.post(on_chunk, rx.handle, region, p.offset, p.nbytes)
         rx.region_left[p.region] -= p.nbytes
         rx.lane_left[lane] -= p.nbytes
         rx.left -= p.nbytes
@@ -475,23 +423,11 @@ class RxLoop(IoLoop):
 
         A mismatch (a short, long or corrupted chunk) fails the stream.
         """
-        got = rx.sums.pop(p.index, None)
-        if got is None:
-            rx.unverified[p.index] = p
+        try:
+            return rx.verify(p, self.pool)
+        except ProtocolError as exc:
+            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
             return False
-        nbytes, crc = got
-        region = rx.handle.regions[p.region]
-        actual = zlib.crc32(self.o.pool.view(region.offset + p.offset, p.nbytes)
-                            if self.o.pool.device is None else
-                            self.o.pool.view(region.offset + p.offset, p.nbytes).get())
-        if nbytes != p.nbytes or actual != crc:
-            self.fail(rx, ProtocolError(
-                f"stream {rx.handle.stream_id}: chunk {p.index} of region {region.name!r} does not "
-                f"match the sender's checksum (announced {nbytes} bytes, expected {p.nbytes}): "
-                "short, long or corrupted chunk"), StreamState.FAILED, tell_peer=True)
-            return False
-        rx.verified.add(p.index)
-        return True
 
     def on_chunk_sum(self, conn: _Conn, payload: bytes) -> None:
         sid, index, nbytes, crc = unpack_chunk_sum(payload)
@@ -501,17 +437,11 @@ class RxLoop(IoLoop):
                 raise ProtocolError(f"duplicate CHUNK_SUM for chunk {index} of stream {sid}, "
                                     "which already completed")
             return  # the stream already failed or was cancelled: a late sum is harmless
-        if index >= rx.chunk_total:
-            self.fail(rx, ProtocolError(f"stream {sid}: CHUNK_SUM for chunk {index}, but the "
-                                        f"manifest has {rx.chunk_total} chunks"),
-                      StreamState.FAILED, tell_peer=True)
+        try:
+            p = rx.add_sum(index, nbytes, crc)
+        except ProtocolError as exc:
+            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
             return
-        if index in rx.sums or index in rx.verified:
-            self.fail(rx, ProtocolError(f"stream {sid}: duplicate CHUNK_SUM for chunk {index}"),
-                      StreamState.FAILED, tell_peer=True)
-            return
-        rx.sums[index] = (nbytes, crc)
-        p = rx.unverified.pop(index, None)
         if p is not None and self.verify_chunk(rx, p):
             self.chunk_landed(rx, p, self.clock.now())
 
@@ -520,10 +450,10 @@ class RxLoop(IoLoop):
         progressed = False
         pending = False
         now = self.clock.now()
-        verify = self.o.config.verify_chunks
+        verify = self.config.verify_chunks
         for conn in list(self.conns.values()):
             for rx in list(conn.streams.values()):
-                for lane, q in list(rx.pending.items()):
+                for _, q in sorted(rx.pending.items()):  # lane priority: lane 0 first
                     for p in q.pop_completed():
                         progressed = True
                         try:
@@ -545,64 +475,30 @@ class RxLoop(IoLoop):
         return progressed, pending, deadline
 
     def housekeeping(self, now: float) -> float | None:
-        cfg = self.o.config
+        cfg = self.config
         deadline = now + cfg.heartbeat_interval_s
         for conn in list(self.conns.values()):
             try:
-                conn.ctl.flush()
                 if not conn.hello and now - conn.accepted_at > cfg.handshake_timeout_s:
                     raise ConnectError(f"peer {conn.ctl.peer} did not finish the handshake "
                                        f"within {cfg.handshake_timeout_s} s")
-                if now - conn.ctl.last_rx > cfg.peer_timeout_s:
-                    raise PeerDisconnectedError(
-                        f"peer {conn.ctl.peer} silent for {now - conn.ctl.last_rx:.2f} s "
-                        f"(limit {cfg.peer_timeout_s} s)")
-                if conn.hello and now - conn.ctl.last_tx >= cfg.heartbeat_interval_s:
-                    self.send(conn, FrameType.HEARTBEAT)
+                due = conn.ctl.keep_alive(now, cfg.heartbeat_interval_s, cfg.peer_timeout_s,
+                                          heartbeat=conn.hello)
             except TransportError as exc:
                 self.drop_conn(conn, exc)
                 continue
-            deadline = min(deadline, conn.ctl.last_rx + cfg.peer_timeout_s)
+            deadline = min(deadline, due)
             if not conn.hello:
                 deadline = min(deadline, conn.accepted_at + cfg.handshake_timeout_s)
-        if self.quarantine:
-            keep = []
-            for entry in self.quarantine:
-                until, blocks, requests, token = entry
-                if until <= now:
-                    # cancel explicitly, and reuse the blocks only once every receive
-                    # has finished: no late message can land in another stream's bytes
-                    self.cancel(requests)
-                    if all(req.completed for _, req in requests):
-                        requests.clear()
-                        self.tokens_in_use.discard(token)
-                        for off, n in blocks:
-                            self.o.pool.release(off, n)
-                    else:
-                        keep.append(entry)
-                        deadline = min(deadline, now + HOUSEKEEPING_SLACK_S)
-                else:
-                    keep.append(entry)
-                    deadline = min(deadline, until)
-            self.quarantine = keep
+        held = self.quarantine.sweep(now)
+        if held is not None:
+            deadline = min(deadline, held)
         if self.waiting:
-            until = self.admit_waiting(now)
-            if until is not None:
-                deadline = min(deadline, until)
+            admit_at = self.admit_waiting(now)
+            if admit_at is not None:
+                deadline = min(deadline, admit_at)
         # housekeeping may run a little late: never ask the loop for a precise sleep
         return max(deadline, now + HOUSEKEEPING_SLACK_S)
-
-    def cancel(self, requests: list[tuple[int, Any]]) -> None:
-        """Cancel ``(rail, request)`` receives, each on its worker's own thread."""
-        on_rail: dict[int, list[Any]] = collections.defaultdict(list)
-        for rail, req in requests:
-            if rail == 0:
-                _ucx.cancel(req)
-            elif not req.completed:
-                on_rail[rail].append(req)
-        for rail, reqs in on_rail.items():
-            target = self.rails[rail - 1]
-            target.call(lambda target=target, reqs=reqs: target.cancel(reqs))
 
     def shutdown(self) -> None:
         for conn in list(self.conns.values()):
@@ -612,11 +508,7 @@ class RxLoop(IoLoop):
             except TransportError:
                 pass
             self.drop_conn(conn, ClosedError("the receiver was closed"))
-        for _, blocks, requests, _ in self.quarantine:
-            requests.clear()
-            for off, n in blocks:
-                self.o.pool.release(off, n)
-        self.quarantine = []
+        self.quarantine.release_all()
         try:
             self.selector.unregister(self.listen)
         except (KeyError, ValueError):
@@ -635,7 +527,7 @@ class RxLoop(IoLoop):
         for conn in self.conns.values():
             for rx in conn.streams.values():
                 rx.pending.clear()
-        self.quarantine = []
+        self.quarantine.drop_requests()
 
     def stats(self) -> TransportStats:
         inflight: dict[int, int] = collections.defaultdict(int)

@@ -13,14 +13,23 @@ reference to a request only on its own thread.
 
 from __future__ import annotations
 
+import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from lynx_transport import _ucx
 from lynx_transport._loop import IoLoop
+from lynx_transport._receiver_state import _Pending, _RxStream
+from lynx_transport._ucx import UcxWorker
 from lynx_transport.clock import Clock
+from lynx_transport.errors import TransportError
+from lynx_transport.manifest import Manifest
+from lynx_transport.pool import ReceivePool
+from lynx_transport.receive_stream import ReceivedRegion
+from lynx_transport.wire import rail_of
 
-__all__ = ["RailLoop"]
+__all__ = ["RailLoop", "post_receives", "cancel_receives"]
 
 
 class RailLoop(IoLoop):
@@ -55,3 +64,53 @@ class RailLoop(IoLoop):
 
     def release_ucx(self) -> None:
         self._posted.clear()
+
+
+def post_receives(worker: UcxWorker, rails: Sequence[RailLoop], pool: ReceivePool, rx: _RxStream,
+                  manifest: Manifest, regions: Sequence[ReceivedRegion]) -> None:
+    """Post one tagged receive per chunk of a stream into its pool regions (on the I/O
+    thread, whose ``worker`` is rail 0): chunk ``i`` on rail ``i % rails``, the rails'
+    on their own threads. Fills ``rx.pending``; ``TransportError`` if UCX refuses."""
+    cb = manifest.chunk_bytes
+    base = rx.token << 32
+    n_rails = 1 + len(rails)
+    # (pending, view) of the chunks each extra rail posts on its own thread
+    handed: list[list[tuple[_Pending, Any]]] = [[] for _ in rails]
+    for i, (r, first) in enumerate(zip(regions, manifest.first_chunk_indices())):
+        q = rx.pending[r.lane]
+        for k, off in enumerate(range(0, r.nbytes, cb)):
+            n, index = min(cb, r.nbytes - off), first + k
+            rail = rail_of(index, n_rails)  # the sender picks the same endpoint
+            view = pool.view(r.offset + off, n)
+            p = _Pending(None, i, off, n, index, r.lane, rail)
+            if rail:
+                handed[rail - 1].append((p, view))
+            else:
+                try:
+                    p.request = worker.tag_recv(view, base | index)
+                except Exception as exc:
+                    raise TransportError(f"cannot post a UCX receive: {exc}") from exc
+            q.append(p)
+    for loop, chunks in zip(rails, handed):
+        if not chunks:
+            continue
+        receives = [(view, base | p.index) for p, view in chunks]
+        try:
+            requests = loop.run(functools.partial(loop.post, receives), 5.0)
+        except Exception as exc:
+            raise TransportError(f"cannot post UCX receives on a receive rail: {exc}") from exc
+        for (p, _), req in zip(chunks, requests):
+            p.request = req
+
+
+def cancel_receives(requests: Sequence[tuple[int, Any]], rails: Sequence[RailLoop]) -> None:
+    """Cancel ``(rail, request)`` receives, each on its worker's own thread (rail 0: this one)."""
+    on_rail: dict[int, list[Any]] = collections.defaultdict(list)
+    for rail, req in requests:
+        if rail == 0:
+            _ucx.cancel(req)
+        elif not req.completed:
+            on_rail[rail].append(req)
+    for rail, reqs in on_rail.items():
+        target = rails[rail - 1]
+        target.call(functools.partial(target.cancel, reqs))

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import zlib
 from typing import Any
 
 from lynx_transport._control import ControlSocket
+from lynx_transport.errors import ProtocolError
+from lynx_transport.pool import ReceivePool
 from lynx_transport.receive_stream import ReceiveStream
 
 __all__ = ["_Pending", "_LaneQueue", "_RxStream", "_Conn", "COMPLETED_MEMORY"]
@@ -82,6 +85,39 @@ class _RxStream:
         self.sums: dict[int, tuple[int, int]] = {}
         self.unverified: dict[int, _Pending] = {}
         self.verified: set[int] = set()
+
+    def add_sum(self, index: int, nbytes: int, crc: int) -> _Pending | None:
+        """Record a CHUNK_SUM; returns the chunk it belongs to if that landed first.
+
+        ``ProtocolError`` for a chunk past the manifest or a repeated sum.
+        """
+        sid = self.handle.stream_id
+        if index >= self.chunk_total:
+            raise ProtocolError(f"stream {sid}: CHUNK_SUM for chunk {index}, but the "
+                                f"manifest has {self.chunk_total} chunks")
+        if index in self.sums or index in self.verified:
+            raise ProtocolError(f"stream {sid}: duplicate CHUNK_SUM for chunk {index}")
+        self.sums[index] = (nbytes, crc)
+        return self.unverified.pop(index, None)
+
+    def verify(self, p: _Pending, pool: ReceivePool) -> bool:
+        """True when landed chunk ``p``'s bytes in ``pool`` match its CHUNK_SUM; False
+        (``p`` parked) until the sum arrives; ``ProtocolError`` on a mismatch (a
+        short, long or corrupted chunk)."""
+        got = self.sums.pop(p.index, None)
+        if got is None:
+            self.unverified[p.index] = p
+            return False
+        nbytes, crc = got
+        region = self.handle.regions[p.region]
+        view = pool.view(region.offset + p.offset, p.nbytes)
+        if nbytes != p.nbytes or zlib.crc32(view if pool.device is None else view.get()) != crc:
+            raise ProtocolError(
+                f"stream {self.handle.stream_id}: chunk {p.index} of region {region.name!r} does "
+                f"not match the sender's checksum (announced {nbytes} bytes, expected "
+                f"{p.nbytes}): short, long or corrupted chunk")
+        self.verified.add(p.index)
+        return True
 
 
 class _Conn:

@@ -6,6 +6,7 @@ import dataclasses
 
 from lynx_transport.lanes import check_lane
 from lynx_transport.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ManifestLimits
+from lynx_transport.scheduler import LanePolicy
 from lynx_transport.shaper import Rate
 from lynx_transport.wire import MAX_RAILS
 
@@ -25,8 +26,10 @@ class TransportConfig:
         lanes at this granularity. Smaller chunks lower anchor latency under
         load, larger ones cost less per byte.
     max_inflight_bytes:
-        Bytes handed to UCX and not yet completed, per connection: the most
-        an anchor chunk can wait behind. A receive rail takes the chunks it has
+        Bytes handed to UCX and not yet completed, per sending egress (all the
+        connections of one :class:`~lynx_transport.egress.Egress` together; a
+        connection from ``connect`` has an egress of its own): the most an
+        anchor chunk can wait behind. A receive rail takes the chunks it has
         been told of in one batch and confirms them together, so the window
         drains and refills in bursts; 32 MiB (16 MiB per rail) keeps both rails
         busy on 64 MiB loopback streams (measured here, 1 MiB chunks, 2 rails,
@@ -57,8 +60,17 @@ class TransportConfig:
         receiver bound to a loopback address, else every device. Pin it (with
         ``ucx_tls="tcp"``) to keep data on one interface, e.g. an emulated link.
     link_rate / lane_rates:
-        Initial shaping of a connection (sender side); change them at run time
-        with ``Connection.set_link_rate`` / ``set_lane_rate``.
+        Initial shaping on the sender side. For an ``Egress``, the node's
+        egress: one rate for all its peers together (change it with
+        ``Egress.set_link_rate`` / ``set_lane_rate``). For a connection from
+        ``connect``, that connection (``Connection.set_link_rate`` /
+        ``set_lane_rate``).
+    lane_policy:
+        Sender side: which stream goes next within one lane, across every
+        stream of every connection of an egress (:class:`LanePolicy`: ``FIFO``
+        by arrival, ``SRF`` shortest remaining first, ``DRR`` deficit
+        round-robin with a one-chunk quantum). Lanes keep strict priority
+        whatever the policy.
     manifest_limits:
         What a receiver accepts (and what a sender checks before sending).
     secret:
@@ -110,6 +122,7 @@ class TransportConfig:
     ucx_net_devices: str | None = None
     link_rate: Rate | None = None
     lane_rates: tuple[tuple[int, Rate], ...] = ()
+    lane_policy: LanePolicy = LanePolicy.FIFO
     manifest_limits: ManifestLimits = ManifestLimits()
     pool_wait_s: float = 2.0
     secret: bytes | None = dataclasses.field(default=None, repr=False)
@@ -140,6 +153,8 @@ class TransportConfig:
             raise ValueError(f"thread_nice must be an int in [-39, 39], got {self.thread_nice!r}")
         if not isinstance(self.rails, int) or not 1 <= self.rails <= MAX_RAILS:
             raise ValueError(f"rails must be an int in [1, {MAX_RAILS}], got {self.rails!r}")
+        if not isinstance(self.lane_policy, LanePolicy):
+            raise ValueError(f"lane_policy must be a LanePolicy, got {self.lane_policy!r}")
         if not self.ucx_tls:
             raise ValueError("ucx_tls must not be empty")
         for lane, rate in self.lane_rates:

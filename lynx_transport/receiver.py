@@ -41,6 +41,7 @@ or ``peer_timeout_s`` of silence fails that peer's streams with
 from __future__ import annotations
 
 import collections
+import ipaddress
 import socket
 import threading
 from collections.abc import Callable
@@ -55,7 +56,6 @@ from lynx_transport.pool import ReceivePool
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.shaper import Rate
 from lynx_transport.stats import TransportStats
-from lynx_transport.wire import FrameType, pack_rate
 
 __all__ = ["Receiver"]
 
@@ -77,10 +77,9 @@ class Receiver:
         self.pool = pool
         self.config = config if config is not None else TransportConfig()
         self.clock = clock if clock is not None else MonotonicClock()
-        self._cb = {"on_stream_open": on_stream_open, "on_chunk": on_chunk, "on_region": on_region,
-                    "on_lane_complete": on_lane_complete, "on_stream_complete": on_stream_complete,
-                    "on_stream_failed": on_stream_failed}
-        self._requested_rate: Rate | None = None
+        callbacks = {"on_stream_open": on_stream_open, "on_chunk": on_chunk, "on_region": on_region,
+                     "on_lane_complete": on_lane_complete, "on_stream_complete": on_stream_complete,
+                     "on_stream_failed": on_stream_failed}
         # streams for next_stream(); bounded so a callback-only user leaks nothing
         self._opened: collections.deque[ReceiveStream] = collections.deque(maxlen=MAX_UNCLAIMED)
         self._opened_cond = threading.Condition()
@@ -96,8 +95,11 @@ class Receiver:
             raise TransportError(f"cannot listen on {host}:{port}: {exc}") from exc
         self._address: tuple[str, int] = listen.getsockname()[:2]
         self._dispatch = Dispatcher("lynx-rx-callbacks", self.config.thread_nice)
+        net_devices = self.config.ucx_net_devices or _net_devices(self._address[0])
         try:
-            self._loop = RxLoop(self, listen)
+            self._loop = RxLoop(listen, pool, self.config, self.clock, net_devices=net_devices,
+                                post=self._dispatch.post, callbacks=callbacks,
+                                opened=self._stream_opened, release=self._release_from_user)
         except BaseException:
             listen.close()
             self._dispatch.stop(1.0)
@@ -114,6 +116,12 @@ class Receiver:
             raise ClosedError("the receiver is closed")
         return self._loop.run(fn, timeout)
 
+    def _stream_opened(self, stream: ReceiveStream) -> None:
+        """(I/O thread) A stream was admitted: queue it for :meth:`next_stream`."""
+        with self._opened_cond:
+            self._opened.append(stream)
+            self._opened_cond.notify()
+
     def next_stream(self, timeout: float) -> ReceiveStream:
         """The next opened stream (manifest accepted, data may still be arriving).
 
@@ -129,17 +137,9 @@ class Receiver:
             return self._opened.popleft()
 
     def request_rate(self, rate: Rate | None) -> None:
-        """Ask every connected (and future) sender to hold its connection to ``rate``."""
-        def apply() -> None:
-            self._requested_rate = rate
-            payload = pack_rate(rate.gbps, rate.burst_bytes) if rate else pack_rate(0.0, 0)
-            for conn in list(self._loop.conns.values()):
-                if conn.hello:
-                    try:
-                        self._loop.send(conn, FrameType.RATE, payload)
-                    except TransportError as exc:
-                        self._loop.drop_conn(conn, exc)
-        self._call(apply)
+        """Ask every connected (and future) sender to hold its connection to ``rate``
+        (a sender with a shared egress holds that connection only)."""
+        self._call(lambda: self._loop.request_rate(rate))
 
     def stats(self) -> TransportStats:
         """Per-lane bytes landed, achieved rates, bytes posted and not yet landed."""
@@ -171,3 +171,12 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _net_devices(host: str) -> str:
+    """A receiver bound to loopback exposes its UCX worker on ``lo`` only."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    return "lo" if loopback else "all"

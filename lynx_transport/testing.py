@@ -1,10 +1,11 @@
-"""Testing kit: deterministic payloads and a sender in a child process.
+"""Testing kit: deterministic payloads, a sender in a child process, and an in-memory transport.
 
 Used by Lynx's own two-process tests and by ``lynx bench-transport``; handy for
 anyone embedding the transport. A :class:`PeerProcess` runs
 :func:`sender_server` in a ``spawn``-ed child and forwards every exception's
 full traceback to the parent (as :class:`PeerFailed`), so a failure in the
-child is never a silent hang.
+child is never a silent hang. :class:`MemoryTransport` is an in-process twin of
+the UCX transport (:mod:`lynx_transport.seam`), for fast tests of the layers above.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from lynx_transport._memory import MemoryTransport
 from lynx_transport.pool import host_buffer
 from lynx_transport.wire import rail_of
 
 __all__ = ["pattern", "WRITTEN_ZEROS", "UNTOUCHED", "PeerFailed", "PeerProcess", "sender_server",
            "receiver_server", "prioritise_thread", "RawPeer", "RawDataPath", "wait_until",
-           "fake_receiver"]
+           "fake_receiver", "MemoryTransport"]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:

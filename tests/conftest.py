@@ -44,3 +44,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"gpu: {reason}"))
         if "netns" in item.keywords and (reason := netns_unavailable_reason()):
             item.add_marker(pytest.mark.skip(reason=f"netns: {reason}"))
+
+
+@pytest.fixture(params=["memory", pytest.param("ucx", marks=pytest.mark.ucx)])
+def transport(request: pytest.FixtureRequest):
+    """Each transport behind ``lynx_transport.seam.Transport``: the in-memory twin
+    (a fresh network per test) and the real one (UCX, marked ``ucx``). A test that
+    takes it runs once per transport: one test body, two implementations."""
+    if request.param == "memory":
+        from lynx_transport.testing import MemoryTransport
+
+        return MemoryTransport()
+    from lynx_transport.seam import UCX
+
+    return UCX

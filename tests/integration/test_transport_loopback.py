@@ -92,7 +92,7 @@ def check_stream(pool, rx, rec, specs, timeout: float = 30.0) -> None:
     stream.wait(timeout)
     assert rec.finished[stream.stream_id].wait(timeout)
     assert stream.state is StreamState.COMPLETED
-    for name, n, lane, seed in specs:
+    for name, n, _lane, seed in specs:
         view = stream.view(name)
         assert view.nbytes == n
         assert np.array_equal(view, pattern(seed, n)), f"region {name} differs"
@@ -166,7 +166,7 @@ def test_several_streams_concurrently(loopback) -> None:
 
 
 def test_metadata_and_manifest_are_known_before_data(loopback) -> None:
-    pool, rx, rec, peer = loopback
+    _pool, rx, rec, peer = loopback
     specs, meta = make_specs([(2 << 20, Lane.RESIDUAL), (1 << 20, Lane.ANCHOR)], next(_counter))
     peer.call("link_rate", (0.5, 64 * 1024))  # slow enough that the stream is open long before done
     try:
@@ -192,7 +192,7 @@ def test_metadata_and_manifest_are_known_before_data(loopback) -> None:
 
 
 def test_regions_supplied_incrementally_arrive_in_supply_order(loopback) -> None:
-    pool, rx, rec, peer = loopback
+    _pool, rx, rec, peer = loopback
     specs, meta = make_specs([(300_000, Lane.ANCHOR)] * 4, next(_counter))
     peer.call("link_rate", (0.5, 64 * 1024))  # ~5 ms per region: completions well apart
     try:
@@ -267,7 +267,7 @@ def _check_held_then_complete(rx, rec, stream, specs, release) -> None:
 
 
 def test_a_held_lane_waits_for_the_receivers_release(loopback) -> None:
-    pool, rx, rec, peer = loopback
+    _pool, rx, rec, peer = loopback
     specs, stream = _held_stream(peer, rx)
     with pytest.raises(ValueError, match="no lane 3"):
         stream.release_lane(3)
@@ -280,7 +280,7 @@ def test_a_held_lane_waits_for_the_receivers_release(loopback) -> None:
 
 
 def test_a_held_lane_can_be_released_by_the_sender(loopback) -> None:
-    pool, rx, rec, peer = loopback
+    _pool, rx, rec, peer = loopback
     specs, stream = _held_stream(peer, rx)
     _check_held_then_complete(rx, rec, stream, specs,
                               lambda: peer.call("release", stream.stream_id, int(Lane.RESIDUAL)))
@@ -321,7 +321,7 @@ def test_a_sender_can_wait_for_the_release_of_a_held_lane() -> None:
 
 
 def test_holding_a_lane_no_region_travels_on_is_refused(loopback) -> None:
-    pool, rx, rec, peer = loopback
+    _pool, _rx, _rec, peer = loopback
     specs, meta = make_specs([(4096, Lane.ANCHOR)], next(_counter))
     with pytest.raises(Exception, match="cannot hold lanes \\[1\\]"):
         peer.call("start", specs, meta, (int(Lane.RESIDUAL),))

@@ -70,7 +70,7 @@ def bytes_per_s(gbps: float) -> float:
 
 
 def test_anchor_lane_completes_first_at_link_rate_and_residual_is_not_starved(link) -> None:
-    rx, peer = link
+    _rx, peer = link
     gbps, anchor, residual = 1.0, 16 * MiB, 64 * MiB
     peer.call("link_rate", (gbps, BURST))
     try:
@@ -91,7 +91,7 @@ def test_anchor_lane_completes_first_at_link_rate_and_residual_is_not_starved(li
 
 @pytest.mark.parametrize("gbps", [0.5, 1.0, 4.0])
 def test_link_shaping_achieves_the_configured_rate_within_5_percent(bulk_link, gbps: float) -> None:
-    rx, peer = bulk_link
+    _rx, peer = bulk_link
     nbytes = int(bytes_per_s(gbps) * 1.2) // BULK_CHUNK * BULK_CHUNK
     peer.call("link_rate", (gbps, BULK_BURST))
     try:
@@ -104,7 +104,7 @@ def test_link_shaping_achieves_the_configured_rate_within_5_percent(bulk_link, g
 
 
 def test_lane_rate_shapes_only_its_lane(link) -> None:
-    rx, peer = link
+    _rx, peer = link
     peer.call("lane_rate", Lane.RESIDUAL, (1.0, BURST))
     try:
         result = peer.call("send", [("res", 48 * MiB, Lane.RESIDUAL, -1),

@@ -1,0 +1,470 @@
+"""The sender's I/O thread: one per egress, shared by every connection made through it.
+
+The ``lynx-tx-io`` thread (see :mod:`lynx_transport._loop`) owns the UCX
+worker, each peer's control socket and endpoints (one per receive rail), every
+outgoing stream, the one :class:`PriorityScheduler` and the egress
+:class:`Shaper`; the public faces (:class:`~lynx_transport.egress.Egress`,
+:class:`~lynx_transport.connection.Connection`) hand work to it and wait for
+the answer. A *peer* is one connection (one receiver): its own :class:`Shaper`
+(a cap, the rate the receiver asked for, lane rates) applies on top of the
+egress's.
+
+Ids: stream ids come from one counter per egress (:attr:`SenderLoop.stream_ids`),
+so they key the shared scheduler and travel on the wire unchanged (each
+connection's ids are unique and increasing, as the receiver requires). A
+frame from a receiver is looked up among that peer's streams only. Peers are
+keyed by an int of their own.
+
+A broken peer (closed, silent, a bad frame, a UCX error) fails only its
+streams: it leaves the peer table and the scheduler at once, its chunks in
+flight leave the shared window, and its requests and endpoints are dropped
+together after a grace period (dropping an endpoint cancels its sends).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import selectors
+import socket
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lynx_transport import _ucx
+from lynx_transport._control import ControlSocket
+from lynx_transport._loop import IoLoop
+from lynx_transport._ucx import UcxWorker
+from lynx_transport.clock import Clock
+from lynx_transport.config import TransportConfig
+from lynx_transport.errors import (
+    ClosedError,
+    ManifestError,
+    PeerDisconnectedError,
+    PoolExhaustedError,
+    ProtocolError,
+    StreamCancelledError,
+    StreamFailedError,
+    TransportError,
+)
+from lynx_transport.lanes import MAX_LANES
+from lynx_transport.scheduler import Chunk, PriorityScheduler
+from lynx_transport.send_stream import SendStream
+from lynx_transport.shaper import Rate, Shaper
+from lynx_transport.state import StreamState
+from lynx_transport.stats import LaneCounters, TransportStats
+from lynx_transport.wire import (
+    Frame,
+    FrameType,
+    OversizedFrame,
+    RejectReason,
+    pack_chunk_sum,
+    pack_u64,
+    rail_of,
+    unpack_rate,
+    unpack_stream_lane,
+    unpack_stream_text,
+    unpack_stream_token,
+    unpack_u64,
+)
+
+__all__ = ["Peer", "SenderLoop", "GRACE_S"]
+
+log = logging.getLogger("lynx_transport")
+
+#: A broken peer's UCX requests and endpoints are dropped this long after the break.
+GRACE_S = 0.2
+
+_REJECT_ERRORS: dict[RejectReason, Callable[[str], TransportError]] = {
+    RejectReason.MANIFEST: ManifestError,
+    RejectReason.POOL_EXHAUSTED: PoolExhaustedError,
+    RejectReason.CLOSED: ClosedError,
+}
+
+
+class Peer:
+    """I/O-thread state of one connection: its receiver, streams, shaping and counters.
+
+    ``broken`` is written by the I/O thread only; any thread may read it.
+    """
+
+    def __init__(self, key: int, ctl: ControlSocket, eps: list[Any], address: tuple[str, int],
+                 shaper: Shaper, chunk_sums: bool) -> None:
+        self.key = key
+        self.ctl = ctl
+        self.eps = eps                  # one endpoint per receive rail (wire.rail_of)
+        self.address = address
+        self.shaper = shaper
+        self.chunk_sums = chunk_sums    # the receiver asked for CHUNK_SUMs
+        self.streams: dict[int, TxStream] = {}
+        self.counters = LaneCounters()
+        self.completed = 0
+        self.failed = 0
+        self.broken: TransportError | None = None
+
+
+@dataclasses.dataclass
+class TxStream:
+    handle: SendStream
+    peer: Peer
+    views: list[Any | None]
+    token: int | None = None
+    inflight: int = 0
+    cancelling: bool = False
+    supplied: list[int] = dataclasses.field(default_factory=list)  # in supply order
+
+
+class SenderLoop(IoLoop):
+    """The I/O thread of one egress. ``link``/``lanes``: the egress's own shaping."""
+
+    def __init__(self, config: TransportConfig, clock: Clock, worker: UcxWorker,
+                 link: Rate | None = None, lanes: dict[int, Rate] | None = None) -> None:
+        super().__init__("lynx-tx-io", config.ucx_tls, clock, nice=config.thread_nice, worker=worker)
+        self.heartbeat_s = config.heartbeat_interval_s
+        self.peer_timeout_s = config.peer_timeout_s
+        self.shaper = Shaper(clock, link, lanes)
+        self.sched = PriorityScheduler(clock, chunk_bytes=config.chunk_bytes,
+                                       max_inflight_bytes=config.max_inflight_bytes,
+                                       shaper=self.shaper, policy=config.lane_policy)
+        #: Stream ids for every connection of this egress (``next`` is atomic: any thread).
+        self.stream_ids = itertools.count(1)
+        self.peers: dict[int, Peer] = {}
+        self._peer_keys = itertools.count(1)
+        self.inflight: list[tuple[Any, Chunk, TxStream]] = []
+        # (until, requests, endpoints) of broken peers, dropped in that order
+        self.quarantine: list[tuple[float, list[Any], list[Any]]] = []
+        self.counters = LaneCounters()
+        self.completed = 0
+        self.failed = 0
+
+    # -- peers ----------------------------------------------------------------------------
+    def add_peer(self, sock: socket.socket, addresses: Sequence[bytes], shaper: Shaper,
+                 chunk_sums: bool) -> Peer:
+        """Take over a welcomed control socket; reach the receiver's workers (``addresses``)."""
+        eps = [self.worker.endpoint(address) for address in addresses]
+        host, port = sock.getpeername()[:2]
+        peer = Peer(next(self._peer_keys), ControlSocket(sock, 1 << 16, self.clock.now()), eps,
+                    (host, port), shaper, chunk_sums)
+        self.peers[peer.key] = peer
+        self.sched.add_peer(peer.key, shaper)
+        self.selector.register(sock, selectors.EVENT_READ, lambda _sock: self.on_readable(peer))
+        return peer
+
+    def close_peer(self, peer: Peer) -> None:
+        """An orderly close: GOODBYE, then the peer's streams fail with ``ClosedError``."""
+        if peer.broken is None:
+            try:
+                peer.ctl.send(FrameType.GOODBYE, b"", self.clock.now())
+            except TransportError:
+                pass
+            self.break_peer(peer, ClosedError("the connection was closed"))
+
+    def break_peer(self, peer: Peer, exc: TransportError) -> None:
+        """Fail ``peer``'s streams and free its state; the other peers carry on."""
+        if peer.broken is not None:
+            return
+        peer.broken = exc
+        self.peers.pop(peer.key, None)
+        if not isinstance(exc, (PeerDisconnectedError, ClosedError)):
+            log.warning("connection to %s broken: %s", peer.ctl.peer, exc)
+        for tx in list(peer.streams.values()):
+            self.fail(tx, exc, StreamState.FAILED)
+        self.sched.remove_peer(peer.key)
+        # its chunks in flight leave the shared window now; their requests (and the
+        # buffers they read) and the endpoints are dropped - which cancels the
+        # sends - only after a grace period, as on the receiving side
+        mine = [entry for entry in self.inflight if entry[2].peer is peer]
+        if mine:
+            self.inflight = [entry for entry in self.inflight if entry[2].peer is not peer]
+            for _, chunk, tx in mine:
+                self.sched.complete(chunk)
+                tx.inflight -= 1
+        self.quarantine.append((self.clock.now() + GRACE_S, mine, peer.eps))
+        peer.eps = []
+        try:
+            self.selector.unregister(peer.ctl.sock)
+        except (KeyError, ValueError):
+            pass
+        peer.ctl.close()
+
+    def on_readable(self, peer: Peer) -> None:
+        if peer.ctl.closed:
+            return
+        try:
+            for frame in peer.ctl.read(self.clock.now()):
+                if isinstance(frame, OversizedFrame):
+                    raise ProtocolError(f"oversized {frame.type.name} frame from the receiver")
+                self.on_frame(peer, frame)
+        except TransportError as exc:
+            self.break_peer(peer, exc)
+
+    def on_frame(self, peer: Peer, frame: Frame) -> None:
+        t = frame.type
+        if t is FrameType.ACCEPT:
+            sid, token = unpack_stream_token(frame.payload)
+            tx = peer.streams.get(sid)
+            if tx is None or tx.token is not None:
+                return  # cancelled meanwhile, or a duplicate
+            tx.token = token
+            tx.handle._completion.activate()
+            for i in tx.supplied:  # within a lane: first supplied, first sent
+                self.queue_region(tx, i)
+        elif t is FrameType.REJECT:
+            sid, code, text = unpack_stream_text(frame.payload)
+            tx = peer.streams.get(sid)
+            if tx is not None:
+                try:
+                    cls = _REJECT_ERRORS[RejectReason(code)]
+                except (ValueError, KeyError):
+                    cls = StreamFailedError
+                self.fail(tx, cls(f"receiver refused stream {sid}: {text}"), StreamState.FAILED)
+        elif t is FrameType.LANE_DONE:
+            sid, lane = unpack_stream_lane(frame.payload)
+            tx = peer.streams.get(sid)
+            if tx is not None:
+                if lane not in tx.handle.manifest.lanes:
+                    raise ProtocolError(f"LANE_DONE for lane {lane}, which stream {sid} does not use")
+                if not tx.handle._completion.lane_done(lane, self.clock.now()):
+                    raise ProtocolError(f"duplicate LANE_DONE for lane {lane} of stream {sid}")
+        elif t is FrameType.LANE_GO:
+            sid, lane = unpack_stream_lane(frame.payload, "LANE_GO")
+            tx = peer.streams.get(sid)
+            if tx is not None:
+                if lane not in tx.handle.manifest.lanes:
+                    raise ProtocolError(f"LANE_GO for lane {lane}, which stream {sid} does not use")
+                self.release_lane(tx, lane)
+        elif t is FrameType.STREAM_DONE:
+            tx = peer.streams.get(unpack_u64(frame.payload, "STREAM_DONE"))
+            if tx is not None and tx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
+                peer.completed += 1
+                self.completed += 1
+                self.forget(tx)
+                # every byte is at the receiver: stop holding the caller's buffers
+                # (a failed stream keeps them until its UCX requests are dropped)
+                tx.views = [None] * len(tx.views)
+        elif t is FrameType.STREAM_FAILED:
+            sid, _, text = unpack_stream_text(frame.payload)
+            tx = peer.streams.get(sid)
+            if tx is not None:
+                self.fail(tx, StreamFailedError(f"receiver failed stream {sid}: {text}"),
+                          StreamState.FAILED)
+        elif t is FrameType.RATE:  # the receiver's cap: for this peer only
+            gbps, burst = unpack_rate(frame.payload)
+            peer.shaper.set_peer_rate(Rate(gbps, burst) if gbps > 0 else None)
+        elif t is FrameType.HEARTBEAT:
+            pass
+        elif t is FrameType.GOODBYE:
+            self.break_peer(peer, PeerDisconnectedError("the receiver closed the connection"))
+        else:
+            raise ProtocolError(f"unexpected {t.name} frame from a receiver")
+
+    # -- streams ------------------------------------------------------------------------
+    def open(self, peer: Peer, handle: SendStream, payload: bytes, views: list[Any | None]) -> None:
+        if peer.broken is not None:
+            raise peer.broken
+        tx = TxStream(handle, peer, views, supplied=[i for i, v in enumerate(views) if v is not None])
+        handle._supply = lambda i, buf: self.supply(tx, i, buf)
+        handle._cancel = lambda: self.cancel(tx)
+        handle._release_lane = lambda lane: self.release_lane(tx, lane)
+        peer.streams[handle.stream_id] = tx
+        peer.ctl.send(FrameType.OPEN, payload, self.clock.now())
+
+    def supply(self, tx: TxStream, i: int, buffer: Any) -> None:
+        if tx.handle.state.terminal:
+            raise tx.handle.exception() or ClosedError(f"stream {tx.handle.stream_id} is finished")
+        if tx.views[i] is not None:
+            raise ValueError(f"region {tx.handle.manifest.regions[i].name!r} was already supplied")
+        view = _ucx.as_bytes_view(buffer)
+        spec = tx.handle.manifest.regions[i]
+        if view.nbytes != spec.nbytes:
+            raise ValueError(f"region {spec.name!r} is {spec.nbytes} bytes in the manifest, "
+                             f"the buffer has {view.nbytes}")
+        tx.views[i] = view
+        tx.supplied.append(i)
+        if tx.token is not None:
+            self.queue_region(tx, i)
+
+    def release_lane(self, tx: TxStream, lane: int) -> None:
+        """Schedule a held lane's supplied regions (in supply order); later ones follow."""
+        if (tx.handle.state.terminal or tx.cancelling
+                or not tx.handle._completion.lane_released(lane, self.clock.now())):
+            return
+        if tx.token is not None:
+            for i in tx.supplied:
+                if tx.handle.manifest.regions[i].lane == lane:
+                    self.queue_region(tx, i)
+
+    def queue_region(self, tx: TxStream, i: int) -> None:
+        spec = tx.handle.manifest.regions[i]
+        if tx.handle._completion.is_held(spec.lane):
+            return  # scheduled by release_lane
+        first = tx.handle.manifest.first_chunk_indices()[i]
+        self.sched.add_region(tx.handle.stream_id, i, spec.lane, spec.nbytes, first, peer=tx.peer.key)
+
+    def cancel(self, tx: TxStream) -> None:
+        if tx.handle.state.terminal or tx.cancelling:
+            return
+        tx.cancelling = True
+        self.sched.remove_stream(tx.handle.stream_id)
+        self.maybe_finish_cancel(tx)
+
+    def maybe_finish_cancel(self, tx: TxStream) -> None:
+        # Chunks already handed to UCX finish first, so the receiver can safely
+        # drop the receives that are left when CANCEL arrives.
+        if tx.cancelling and tx.inflight == 0:
+            if tx.handle._completion.finish(StreamState.CANCELLED, self.clock.now(),
+                                            StreamCancelledError(
+                                                f"stream {tx.handle.stream_id} was cancelled")):
+                tx.peer.failed += 1
+                self.failed += 1
+            self.forget(tx)
+            if tx.peer.broken is None:
+                try:
+                    tx.peer.ctl.send(FrameType.CANCEL, pack_u64(tx.handle.stream_id), self.clock.now())
+                except TransportError as exc:
+                    self.break_peer(tx.peer, exc)
+
+    def forget(self, tx: TxStream) -> None:
+        tx.peer.streams.pop(tx.handle.stream_id, None)
+        self.sched.remove_stream(tx.handle.stream_id)
+
+    def fail(self, tx: TxStream, exc: TransportError, state: StreamState) -> None:
+        if tx.handle._completion.finish(state, self.clock.now(), exc):
+            tx.peer.failed += 1
+            self.failed += 1
+        self.forget(tx)
+
+    # -- the loop body ----------------------------------------------------------------------
+    def step(self) -> tuple[bool, bool, float | None]:
+        progressed = False
+        now = self.clock.now()
+        if self.inflight:
+            done: list[tuple[Any, Chunk, TxStream]] = []
+            keep: list[tuple[Any, Chunk, TxStream]] = []
+            for entry in self.inflight:
+                (done if entry[0].completed else keep).append(entry)
+            if done:
+                progressed = True
+                self.inflight = keep
+                for req, sent, tx in done:
+                    self.sched.complete(sent)
+                    tx.inflight -= 1
+                    if tx.peer.broken is not None:
+                        continue  # broken by an earlier entry of this batch
+                    try:
+                        _ucx.check(req, f"stream {sent.stream_id}")
+                    except TransportError as exc:
+                        self.break_peer(tx.peer, exc)
+                        continue
+                    tx.peer.counters.add(sent.lane, sent.nbytes, now)
+                    self.counters.add(sent.lane, sent.nbytes, now)
+                    self.maybe_finish_cancel(tx)
+        while (chunk := self.sched.next_chunk()) is not None:
+            progressed = True
+            self.send_chunk(chunk, now)
+        return progressed, bool(self.inflight), self.housekeeping(now)
+
+    def send_chunk(self, chunk: Chunk, now: float) -> None:
+        """Hand one scheduled chunk to UCX (its CHUNK_SUM first, if the receiver asked)."""
+        assert isinstance(chunk.peer, int)  # queued with a peer's key
+        peer = self.peers[chunk.peer]  # live: a broken peer's chunks left the scheduler
+        tx = peer.streams[chunk.stream_id]
+        region = tx.views[chunk.region]
+        assert region is not None and tx.token is not None  # scheduled once supplied and accepted
+        view = region[chunk.offset:chunk.offset + chunk.nbytes]
+        peer.counters.started(chunk.lane, now)
+        self.counters.started(chunk.lane, now)
+        try:
+            if peer.chunk_sums:
+                peer.ctl.send(FrameType.CHUNK_SUM, pack_chunk_sum(
+                    chunk.stream_id, chunk.index, chunk.nbytes, _crc32(view)), now)
+            try:
+                req = self.worker.tag_send(peer.eps[rail_of(chunk.index, len(peer.eps))],
+                                           view, (tx.token << 32) | chunk.index)
+            except Exception as exc:
+                raise TransportError(f"UCX send failed: {exc}") from exc
+        except TransportError as exc:
+            self.sched.complete(chunk)
+            self.break_peer(peer, exc)
+            return
+        tx.inflight += 1
+        if tx.handle.started_at is None:
+            tx.handle.started_at = now
+        self.inflight.append((req, chunk, tx))
+
+    def eager(self) -> bool:
+        # A deep window of sends keeps the link busy by itself: sleep until UCX
+        # reports progress instead of polling (the receiver's copy threads need
+        # the cores); poll again once the window is half empty.
+        return self.sched.inflight_bytes * 2 <= self.sched.max_inflight_bytes
+
+    def housekeeping(self, now: float) -> float | None:
+        deadline: float | None = None
+        if self.quarantine:
+            keep = []
+            for until, requests, eps in self.quarantine:
+                if until > now:
+                    keep.append((until, requests, eps))
+                    deadline = until if deadline is None else min(deadline, until)
+                else:
+                    requests.clear()  # requests first, then their endpoints
+                    eps.clear()
+            self.quarantine = keep
+        for peer in list(self.peers.values()):
+            try:
+                due = peer.ctl.keep_alive(now, self.heartbeat_s, self.peer_timeout_s, "receiver")
+            except TransportError as exc:
+                self.break_peer(peer, exc)
+                continue
+            deadline = due if deadline is None else min(deadline, due)
+        if deadline is not None:
+            # heartbeats may run a little late; only the shaper needs a precise wake-up
+            deadline = max(now + 0.01, deadline)
+        wait = self.sched.wait_time()
+        if wait is not None:
+            deadline = now + wait if deadline is None else min(deadline, now + wait)
+        return deadline
+
+    def shutdown(self) -> None:
+        for peer in list(self.peers.values()):
+            self.close_peer(peer)
+
+    def on_crash(self, exc: BaseException) -> None:
+        for peer in list(self.peers.values()):
+            self.break_peer(peer, TransportError(f"the I/O thread crashed: {exc!r}"))
+
+    def release_ucx(self) -> None:
+        self.inflight.clear()
+        for _, requests, eps in self.quarantine:
+            requests.clear()
+            eps.clear()
+        self.quarantine.clear()
+        for peer in self.peers.values():
+            peer.eps = []
+
+    # -- observability ------------------------------------------------------------------------
+    def stats(self, peer: Peer | None = None) -> TransportStats:
+        """The egress's counters, or one peer's (its share of the scheduler's queue too)."""
+        lanes = range(MAX_LANES)
+        if peer is None:
+            queued = {lane: self.sched.queued_bytes(lane) for lane in lanes}
+            inflight = {lane: self.sched.inflight_lane_bytes(lane) for lane in lanes}
+            active = sum(len(p.streams) for p in self.peers.values())
+            return TransportStats(self.counters.snapshot(queued, inflight), active,
+                                  self.completed, self.failed)
+        queued = {lane: self.sched.peer_queued_bytes(peer.key, lane) for lane in lanes}
+        inflight = {lane: self.sched.peer_inflight_bytes(peer.key, lane) for lane in lanes}
+        return TransportStats(peer.counters.snapshot(queued, inflight), len(peer.streams),
+                              peer.completed, peer.failed)
+
+    def peer_addresses(self) -> list[tuple[str, int]]:
+        """``(host, port)`` of every live connection, oldest first."""
+        return [peer.address for peer in self.peers.values()]
+
+
+def _crc32(view: Any) -> int:
+    """CRC32 of a chunk (host memory directly; device memory through a host copy)."""
+    if hasattr(view, "__cuda_array_interface__"):
+        view = view.get()
+    return zlib.crc32(view)

@@ -1,0 +1,107 @@
+"""The control channel's shared rules, without UCX: peer liveness (``ControlSocket.keep_alive``,
+used by both the sender's and the receiver's I/O loops) and the receiver's handshake steps."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from lynx_transport import _auth
+from lynx_transport._control import ControlSocket
+from lynx_transport.errors import PeerDisconnectedError, ProtocolError
+from lynx_transport.wire import (
+    NONCE_BYTES,
+    Frame,
+    FrameDecoder,
+    FrameType,
+    HelloFlags,
+    pack_hello,
+    unpack_challenge,
+)
+
+SECRET = b"s" * 32
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ControlSocket, socket.socket]]:
+    with socket.create_server(("127.0.0.1", 0)) as server:  # TCP: ControlSocket sets NODELAY
+        b = socket.create_connection(server.getsockname())
+        a, _ = server.accept()
+    ctl = ControlSocket(a, 1 << 16, now=0.0)
+    b.settimeout(1.0)
+    try:
+        yield ctl, b
+    finally:
+        ctl.close()
+        b.close()
+
+
+def frames(sock: socket.socket, expect: bool) -> list[FrameType]:
+    """What arrived: wait (up to the socket's timeout) if a frame is expected, else look now."""
+    if not expect:
+        sock.setblocking(False)
+    try:
+        data = sock.recv(1 << 16)
+    except BlockingIOError:
+        return []
+    finally:
+        sock.settimeout(1.0)
+    return [f.type for f in FrameDecoder(1 << 16).feed(data)]
+
+
+def test_a_heartbeat_goes_out_when_this_side_was_silent_and_the_next_check_is_due(pair) -> None:
+    ctl, peer = pair
+    assert ctl.keep_alive(0.1, 0.25, 1.5) == pytest.approx(0.25)  # next heartbeat first
+    assert frames(peer, expect=False) == []
+    assert ctl.keep_alive(0.3, 0.25, 1.5) == pytest.approx(0.55)
+    assert frames(peer, expect=True) == [FrameType.HEARTBEAT]
+    assert ctl.last_tx == 0.3
+
+
+def test_silence_past_the_timeout_loses_the_peer(pair) -> None:
+    ctl, peer = pair
+    peer.sendall(b"x")  # anything counts as a sign of life ...
+    ctl.read(now=1.0)
+    assert ctl.last_rx == 1.0
+    ctl.keep_alive(2.4, 0.25, 1.5)
+    with pytest.raises(PeerDisconnectedError, match="receiver .* silent for 1.60 s"):
+        ctl.keep_alive(2.6, 0.25, 1.5, "receiver")
+
+
+def test_no_heartbeat_before_the_handshake_but_the_silence_still_counts(pair) -> None:
+    ctl, peer = pair
+    assert ctl.keep_alive(1.0, 0.25, 1.5, heartbeat=False) == pytest.approx(1.5)
+    assert frames(peer, expect=False) == []
+    with pytest.raises(PeerDisconnectedError, match="peer .* silent"):
+        ctl.keep_alive(1.6, 0.25, 1.5, heartbeat=False)
+
+
+def hello(flags: HelloFlags, nonce: bytes = b"n" * NONCE_BYTES) -> Frame:
+    return Frame(FrameType.HELLO, pack_hello(flags, nonce))
+
+
+def test_receiver_steps_without_a_secret() -> None:
+    assert _auth.receiver_step(None, None, hello(HelloFlags.NONE)).welcome
+    assert _auth.receiver_step(None, None, hello(HelloFlags.AUTH)).welcome
+    with pytest.raises(ProtocolError, match="must be HELLO"):
+        _auth.receiver_step(None, None, Frame(FrameType.OPEN, b""))
+
+
+def test_receiver_steps_with_a_secret() -> None:
+    nonce_s = b"n" * NONCE_BYTES
+    assert "requires a shared secret" in (_auth.receiver_step(SECRET, None, hello(HelloFlags.NONE))
+                                          .deny or "")
+    step = _auth.receiver_step(SECRET, None, hello(HelloFlags.AUTH, nonce_s))
+    assert step.challenge is not None and step.challenge[0] == nonce_s and not step.welcome
+    nonce_r, mac = unpack_challenge(step.challenge_payload)
+    assert nonce_r == step.challenge[1]
+    assert _auth.verify(_auth.receiver_mac(SECRET, nonce_s, nonce_r), mac)
+    proof = Frame(FrameType.PROOF, _auth.sender_mac(SECRET, nonce_r, nonce_s))
+    assert _auth.receiver_step(SECRET, step.challenge, proof).welcome
+    wrong = Frame(FrameType.PROOF, _auth.sender_mac(b"t" * 32, nonce_r, nonce_s))
+    assert _auth.receiver_step(SECRET, step.challenge, wrong).deny == "wrong shared secret"
+    # a second HELLO, or anything else, before the proof is refused
+    assert _auth.receiver_step(SECRET, step.challenge, hello(HelloFlags.AUTH)).deny
+    assert _auth.receiver_step(SECRET, None, Frame(FrameType.OPEN, b"")).deny
