@@ -1,13 +1,33 @@
-"""An emulated network link: two namespaces joined by a veth pair, shaped with tc.
+"""An emulated network link: namespaces joined by veth pairs, shaped with tc.
 
-::
+One decode host (``hosts`` 1, the default) — two namespaces and one veth pair::
 
     {prefix}-tx namespace                      {prefix}-rx namespace
     dev {prefix}-tx  10.254.0.1/30  <== veth ==>  10.254.0.2/30  dev {prefix}-rx
     egress: htb rate R                            egress: htb rate R
 
-Both directions are shaped with htb (root class ``1:1`` at the rate; default leaf
-``1:99``). With ``lanes`` > 0 each lane gets a leaf ``1:1<i>`` (hex class ids
+K decode hosts (``hosts`` K > 1) — a switch namespace with a bridge, one veth pair
+per host::
+
+    {prefix}-tx   dev {prefix}-tx  10.254.0.1/27   egress: htb rate R  (all prefill traffic)
+                        ||
+    {prefix}-sw   bridge br, ports tx, rx0 ... rx{K-1}   (no addresses, unshaped)
+                        ||
+    {prefix}-rx<i> dev {prefix}-rx<i>  10.254.0.<i+2>/27   egress: htb rate R  (each host)
+
+The bridge has a namespace of its own, not the prefill's, so the prefill host has
+exactly one device, its veth, and everything it sends to any decode host leaves
+through that veth's egress: one htb there holds the *sum* over all decode hosts to
+the rate, as one NIC of rate R would. (A bridge inside the prefill namespace would
+need the htb on the bridge device, and any qdisc on its per-host ports would shape
+each host separately instead.) Each decode host's egress is shaped at R too, like
+its own NIC; what the K of them send back together (acks, control frames) is not
+held to R at the prefill's ingress. Decode-to-decode traffic crosses the bridge
+without meeting the prefill's htb. The bridge runs without STP, so a port forwards
+as soon as its carrier is on; :meth:`Link.up` waits for that.
+
+Every shaped egress has an htb root class ``1:1`` at the rate and a default leaf
+``1:99``. With ``lanes`` > 0 each lane gets a leaf ``1:1<i>`` (hex class ids
 ``1:10``, ``1:11``, ...) with htb priority ``i`` — lane 0 is served first and the
 others only use what it leaves — matched by u32 filters on the lane's TCP port
 range as TCP source *or* destination port, so the network itself enforces anchor
@@ -17,20 +37,25 @@ at priority 0. netem (delay/jitter/loss) is attached under each leaf when asked
 for, and only if the kernel has it: otherwise :meth:`Link.up` raises
 :class:`LinkError` before creating anything.
 
-Nothing is routed outside the two namespaces: the root namespace is untouched.
+Nothing is routed outside the link's namespaces: the root namespace is untouched.
 
 Lifetime: ``with Link(config) as link:`` brings the link up and always tears it
 down (also on errors and Ctrl-C, which arrives as ``KeyboardInterrupt``);
 :func:`teardown` (``lynx link down``) is idempotent and also removes a link some
-other process left behind. Processes started with :meth:`Link.popen_in` are ended
-on teardown, as is anything else still running inside the namespaces.
-Threads: a ``Link`` is not thread-safe; use it from one thread.
+other process left behind, whatever its number of hosts. Processes started with
+:meth:`Link.popen_in` are ended on teardown, as is anything else still running
+inside the namespaces. Threads: a ``Link`` is not thread-safe; use it from one thread.
 
 Usage::
 
     with Link(LinkConfig(rate_gbps=1.0)) as link:
         receiver = link.popen_in("rx", [sys.executable, "-m", "my.receiver"])
         link.run_in("tx", [sys.executable, "-m", "my.sender", link.address("rx")])
+
+    with Link(LinkConfig(rate_gbps=1.0, hosts=3)) as link:
+        for host in link.decode_hosts:  # or ("rx", i), or "rx<i>"
+            link.popen_in(host, [...], env={**os.environ, **link.ucx_env(host)})
+        link.run_in("tx", [..., *(link.address(h) for h in link.decode_hosts)])
 """
 
 from __future__ import annotations
@@ -41,11 +66,19 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from lynx_transport.errors import LinkError
+from lynx_bench.errors import LinkError
 
-from .link_config import LinkConfig, PortRange, Side
+from .link_config import BRIDGE, Host, HostRef, LinkConfig, PortRange, owned_namespaces
 from .link_status import LinkStatus, inspect_link
-from .link_sys import delete_namespace, namespaces, netem_available, require_root, sh, wait_carrier
+from .link_sys import (
+    delete_namespace,
+    namespaces,
+    netem_available,
+    require_root,
+    sh,
+    wait_carrier,
+    wait_forwarding,
+)
 
 __all__ = ["Link", "teardown", "DEFAULT_CLASS", "lane_class"]
 
@@ -61,11 +94,12 @@ def lane_class(lane: int) -> str:
 
 
 def teardown(prefix: str) -> list[str]:
-    """Remove the link named ``prefix``: end the processes inside its namespaces and
-    delete them (which destroys the veth pair and the qdiscs). Idempotent: returns
-    the namespaces it removed, ``[]`` when there was nothing to remove."""
-    mine = [f"{prefix}-{side.value}" for side in Side]
-    present = [ns for ns in mine if ns in namespaces()]
+    """Remove the link named ``prefix``, whatever its number of hosts: end the
+    processes inside its namespaces and delete them (which destroys the veth pairs,
+    the bridge and the qdiscs). Only namespaces named as a link's are touched
+    (:func:`~lynx_bench.link_config.owned_namespaces`). Idempotent: returns the
+    namespaces it removed, ``[]`` when there was nothing to remove."""
+    present = owned_namespaces(prefix, namespaces())
     if present:
         require_root()
     for ns in present:
@@ -88,12 +122,14 @@ class Link:
     # -- lifetime -----------------------------------------------------------------
 
     def up(self) -> Link:
-        """Create namespaces, veth pair, addresses and qdiscs; return once both veth
-        ends report carrier (UCX's tcp transport skips a device without it).
+        """Create namespaces, veth pairs (and the bridge), addresses and qdiscs; return
+        once every host's veth reports carrier (UCX's tcp transport skips a device
+        without it) and every bridge port forwards.
 
         Raises :class:`LinkError` when not root, when delay/loss/jitter are asked for
-        and the kernel has no netem, when a link with this prefix already exists,
-        or when any ip/tc command fails — after removing whatever it had created.
+        and the kernel has no netem, when any namespace of a link with this prefix
+        already exists (of any number of hosts), or when any ip/tc command fails —
+        after removing whatever it had created.
         """
         cfg = self._config
         require_root()
@@ -102,7 +138,7 @@ class Link:
                 "this kernel has no netem qdisc (sch_netem), so delay, jitter and loss "
                 "cannot be emulated; only the rate can (htb). Drop --delay/--jitter/--loss, "
                 "or use a kernel with netem. Nothing was set up.")
-        existing = [ns for ns in (cfg.namespace(s) for s in Side) if ns in namespaces()]
+        existing = owned_namespaces(cfg.prefix, namespaces())
         if existing:
             raise LinkError(f"namespaces {', '.join(existing)} already exist; run "
                             f"`lynx link down --prefix {cfg.prefix}` first")
@@ -138,20 +174,34 @@ class Link:
 
     def _create(self) -> None:
         cfg = self._config
-        tx, rx = cfg.namespace(Side.TX), cfg.namespace(Side.RX)
-        sh(["ip", "netns", "add", tx])
-        sh(["ip", "netns", "add", rx])
-        sh(["ip", "-n", tx, "link", "add", cfg.device(Side.TX), "type", "veth",
-            "peer", "name", cfg.device(Side.RX), "netns", rx])
-        for side in Side:
-            ns, dev = cfg.namespace(side), cfg.device(side)
-            sh(["ip", "-n", ns, "addr", "add", f"{cfg.address(side)}/{cfg.prefixlen}",
+        for ns in cfg.namespaces:
+            sh(["ip", "netns", "add", ns])
+        if cfg.switched:
+            sw = cfg.switch_namespace
+            sh(["ip", "-n", sw, "link", "add", "name", BRIDGE, "type", "bridge"])  # STP off
+            sh(["ip", "-n", sw, "link", "set", "dev", BRIDGE, "up"])
+            for host in cfg.all_hosts:
+                port = cfg.switch_port(host)
+                sh(["ip", "-n", cfg.namespace(host), "link", "add", "name", cfg.device(host),
+                    "type", "veth", "peer", "name", port, "netns", sw])
+                sh(["ip", "-n", sw, "link", "set", "dev", port, "master", BRIDGE])
+                sh(["ip", "-n", sw, "link", "set", "dev", port, "up"])
+        else:
+            tx, rx = cfg.prefill_host, cfg.decode_hosts[0]
+            sh(["ip", "-n", cfg.namespace(tx), "link", "add", cfg.device(tx), "type", "veth",
+                "peer", "name", cfg.device(rx), "netns", cfg.namespace(rx)])
+        for host in cfg.all_hosts:
+            ns, dev = cfg.namespace(host), cfg.device(host)
+            sh(["ip", "-n", ns, "addr", "add", f"{cfg.address(host)}/{cfg.prefixlen}",
                 "dev", dev])
             sh(["ip", "-n", ns, "link", "set", "lo", "up"])
             sh(["ip", "-n", ns, "link", "set", dev, "up"])
             self._shape(ns, dev)
-        for side in Side:  # UCX's tcp transport only lists devices whose carrier is on
-            wait_carrier(cfg.namespace(side), cfg.device(side))
+        for host in cfg.all_hosts:  # UCX's tcp transport only lists devices whose carrier is on
+            wait_carrier(cfg.namespace(host), cfg.device(host))
+        if cfg.switched:  # and the first frames must not meet a port that drops them
+            for host in cfg.all_hosts:
+                wait_forwarding(cfg.switch_namespace, cfg.switch_port(host))
 
     def _shape(self, ns: str, dev: str) -> None:
         cfg = self._config
@@ -197,20 +247,35 @@ class Link:
 
     # -- where things are ---------------------------------------------------------
 
-    def namespace(self, side: Side | str) -> str:
-        return self._config.namespace(side)
+    @property
+    def prefill_host(self) -> Host:
+        return self._config.prefill_host
 
-    def device(self, side: Side | str) -> str:
-        return self._config.device(side)
+    @property
+    def decode_hosts(self) -> tuple[Host, ...]:
+        """The decode hosts, in order (one for a two-namespace link)."""
+        return self._config.decode_hosts
 
-    def address(self, side: Side | str) -> str:
-        return self._config.address(side)
+    def host(self, ref: HostRef, index: int | None = None) -> Host:
+        """The :class:`Host` that ``ref`` names (see :meth:`LinkConfig.host`)."""
+        return self._config.host(ref, index)
+
+    def namespace(self, host: HostRef, index: int | None = None) -> str:
+        return self._config.namespace(host, index)
+
+    def device(self, host: HostRef, index: int | None = None) -> str:
+        return self._config.device(host, index)
+
+    def address(self, host: HostRef, index: int | None = None) -> str:
+        """The IPv4 address of a host: ``address("tx")``, ``address("rx")`` (one decode
+        host), ``address("rx", i)`` or ``address(link.decode_hosts[i])``."""
+        return self._config.address(host, index)
 
     def lane_ports(self, lane: int) -> PortRange:
         return self._config.lane_ports(lane)
 
-    def ucx_env(self, side: Side | str, lane: int | None = None) -> dict[str, str]:
-        """Environment for a UCX (ucxx) process on ``side``: tcp only, on the veth, and,
+    def ucx_env(self, host: HostRef, lane: int | None = None) -> dict[str, str]:
+        """Environment for a UCX (ucxx) process on ``host``: tcp only, on its veth, and,
         for a ``lane``, that lane's port range for the worker's data connections.
 
         Checked with ucxx 0.52 / UCX 1.21 between the two namespaces: a listener on
@@ -225,7 +290,7 @@ class Link:
         counters): UCX did not use cma between the namespaces. Note that a UCX
         context given ``TLS``/``NET_DEVICES`` in its config overrides these
         variables; ``UCX_TCP_PORT_RANGE`` still applies."""
-        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.device(side)}
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.device(host)}
         if lane is not None:
             env["UCX_TCP_PORT_RANGE"] = self.lane_ports(lane).ucx
         return env
@@ -235,18 +300,18 @@ class Link:
 
     # -- running things inside --------------------------------------------------
 
-    def exec_argv(self, side: Side | str, argv: Sequence[str]) -> list[str]:
-        """``argv`` wrapped to run inside ``side``'s namespace (``ip netns exec``)."""
-        return ["ip", "netns", "exec", self.namespace(side), *argv]
+    def exec_argv(self, host: HostRef, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside ``host``'s namespace (``ip netns exec``)."""
+        return ["ip", "netns", "exec", self.namespace(host), *argv]
 
-    def popen_in(self, side: Side | str, argv: Sequence[str],
+    def popen_in(self, host: HostRef, argv: Sequence[str],
                  **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` inside ``side``'s namespace; it is ended by :meth:`down`."""
-        child = subprocess.Popen(self.exec_argv(side, argv), **kwargs)
+        """Start ``argv`` inside ``host``'s namespace; it is ended by :meth:`down`."""
+        child = subprocess.Popen(self.exec_argv(host, argv), **kwargs)
         self._children.append(child)
         return child
 
-    def run_in(self, side: Side | str, argv: Sequence[str],
+    def run_in(self, host: HostRef, argv: Sequence[str],
                **kwargs: Any) -> subprocess.CompletedProcess[Any]:
-        """Run ``argv`` inside ``side``'s namespace to completion (``subprocess.run``)."""
-        return subprocess.run(self.exec_argv(side, argv), check=False, **kwargs)
+        """Run ``argv`` inside ``host``'s namespace to completion (``subprocess.run``)."""
+        return subprocess.run(self.exec_argv(host, argv), check=False, **kwargs)

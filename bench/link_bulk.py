@@ -11,7 +11,12 @@ Run the receiver in one namespace and the sender in the other::
 The receiver times from its first byte to end of stream, so connection setup is
 excluded; ``gbps`` is TCP payload (goodput), which on a link shaped at rate R by
 htb (counting Ethernet frames) is about 0.95 R. :func:`measure` does both steps
-on a :class:`~lynx_bench.link.Link`.
+on a :class:`~lynx_bench.link.Link`; :func:`measure_fanout` sends from the prefill
+host to several decode hosts at once and reports the sum, both as goodput and as
+the bytes the prefill's htb let out (which should be R, not K x R). The receiver
+also reports when its first byte came (``first``, ``CLOCK_MONOTONIC``: one clock
+for every process on the machine), so concurrent transfers can be added up over
+the time they span together.
 """
 
 from __future__ import annotations
@@ -26,24 +31,62 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lynx_transport.errors import LinkError
+from lynx_bench.errors import LinkError
+from lynx_transport.errors import ConfigError
+
+from .link_config import Host, HostRef
+from .link_status import htb_sent_bytes
 
 if TYPE_CHECKING:
     from .link import Link
 
-__all__ = ["BulkResult", "REALTIME", "receive", "send", "measure", "main"]
+__all__ = ["BulkResult", "FanoutResult", "REALTIME", "receive", "send", "measure",
+           "measure_fanout", "main"]
 
 _CHUNK = 1 << 20
+
+
+def _now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)  # comparable across processes
 
 
 @dataclass(frozen=True)
 class BulkResult:
     bytes: int
-    seconds: float
+    seconds: float  # first byte to end of stream
+    first: float = 0.0  # CLOCK_MONOTONIC when the first byte arrived
 
     @property
     def gbps(self) -> float:
         return self.bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class FanoutResult:
+    """Concurrent transfers from the prefill host, one per decode host."""
+
+    per_host: tuple[tuple[Host, BulkResult], ...]
+    htb_bytes: int  # what the prefill's root htb class let out during the transfers
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for _, r in self.per_host)
+
+    @property
+    def seconds(self) -> float:
+        """From the first byte at any receiver to the last byte at any receiver."""
+        results = [r for _, r in self.per_host]
+        return max(r.first + r.seconds for r in results) - min(r.first for r in results)
+
+    @property
+    def gbps(self) -> float:
+        """Summed goodput over :attr:`seconds`."""
+        return self.bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def htb_gbps(self) -> float:
+        """What the prefill's htb let out over :attr:`seconds` (frames, as htb counts)."""
+        return self.htb_bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def receive(listener: socket.socket, timeout_s: float = 60.0) -> BulkResult:
@@ -55,11 +98,11 @@ def receive(listener: socket.socket, timeout_s: float = 60.0) -> BulkResult:
         buf = bytearray(_CHUNK)
         total, first, last = 0, 0.0, 0.0
         while n := conn.recv_into(buf):
-            last = time.perf_counter()
+            last = _now()
             if total == 0:
                 first = last
             total += n
-    return BulkResult(total, last - first)
+    return BulkResult(total, last - first, first)
 
 
 def send(host: str, port: int, n_bytes: int, timeout_s: float = 60.0) -> None:
@@ -81,36 +124,71 @@ REALTIME = ("chrt", "--fifo", "20")
 
 
 def measure(link: Link, n_bytes: int, timeout_s: float = 60.0,
-            realtime: bool = False) -> BulkResult:
-    """Send ``n_bytes`` from the tx namespace to the rx namespace and time it at the
-    receiver; ``realtime`` runs both ends with :data:`REALTIME` (needs root).
-    Raises :class:`LinkError` if either side fails."""
+            realtime: bool = False, to: HostRef = "rx") -> BulkResult:
+    """Send ``n_bytes`` from the tx namespace to decode host ``to`` (the only one by
+    default) and time it at the receiver; ``realtime`` runs both ends with
+    :data:`REALTIME` (needs root). Raises :class:`LinkError` if either side fails."""
+    return measure_fanout(link, n_bytes, (to,), timeout_s, realtime).per_host[0][1]
+
+
+def measure_fanout(link: Link, n_bytes: int, to: Sequence[HostRef] | None = None,
+                   timeout_s: float = 60.0, realtime: bool = False) -> FanoutResult:
+    """Send ``n_bytes`` from the prefill host to each decode host in ``to`` (default:
+    all of them) at once, one TCP stream and one sender process each. Raises
+    :class:`ConfigError` for an unknown or repeated host, :class:`LinkError` if any
+    end fails or the transfers take longer than ``timeout_s``."""
+    hosts = link.decode_hosts if to is None else tuple(link.host(h) for h in to)
+    if not hosts or len(set(hosts)) != len(hosts):
+        raise ConfigError(f"measure to one or more distinct decode hosts, got {list(to or ())!r}")
     me = [*(REALTIME if realtime else ()), sys.executable, "-m", "lynx_bench.link_bulk"]
-    receiver = link.popen_in("rx", [*me, "recv", "--bind", link.address("rx"),
-                                    "--timeout", str(timeout_s)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tx = link.prefill_host
+    deadline = time.monotonic() + timeout_s
+    children: list[subprocess.Popen[str]] = []
     try:
-        assert receiver.stdout is not None
-        ready = json.loads(receiver.stdout.readline() or "{}")
-        if ready.get("event") != "ready":
-            raise LinkError(f"bulk receiver did not start: {receiver.communicate()[1][-2000:]}")
-        sent = link.run_in("tx", [*me, "send", "--to", link.address("rx"), "--port",
-                                  str(ready["port"]), "--bytes", str(n_bytes),
-                                  "--timeout", str(timeout_s)],
-                           capture_output=True, text=True, timeout=timeout_s)
-        if sent.returncode != 0:
-            raise LinkError(f"bulk sender failed: {sent.stderr[-2000:]}")
-        out, err = receiver.communicate(timeout=timeout_s)
-        if receiver.returncode != 0:
-            raise LinkError(f"bulk receiver failed: {err[-2000:]}")
-        done = json.loads(out.strip().splitlines()[-1])
-        return BulkResult(int(done["bytes"]), float(done["seconds"]))
+        receivers = []
+        for host in hosts:
+            receivers.append(link.popen_in(host, [*me, "recv", "--bind", link.address(host),
+                                                  "--timeout", str(timeout_s)],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           text=True))
+            children.append(receivers[-1])
+        ports = []
+        for receiver in receivers:
+            assert receiver.stdout is not None
+            ready = json.loads(receiver.stdout.readline() or "{}")
+            if ready.get("event") != "ready":
+                raise LinkError(f"bulk receiver did not start: {receiver.communicate()[1][-2000:]}")
+            ports.append(int(ready["port"]))
+        before = htb_sent_bytes(link.namespace(tx), link.device(tx))
+        senders = []
+        for host, port in zip(hosts, ports):
+            senders.append(link.popen_in(tx, [*me, "send", "--to", link.address(host), "--port",
+                                              str(port), "--bytes", str(n_bytes),
+                                              "--timeout", str(timeout_s)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         text=True))
+            children.append(senders[-1])
+        for sender in senders:
+            _, err = sender.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            if sender.returncode != 0:
+                raise LinkError(f"bulk sender failed: {err[-2000:]}")
+        results = []
+        for host, receiver in zip(hosts, receivers):
+            out, err = receiver.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            if receiver.returncode != 0:
+                raise LinkError(f"bulk receiver failed: {err[-2000:]}")
+            done = json.loads(out.strip().splitlines()[-1])
+            results.append((host, BulkResult(int(done["bytes"]), float(done["seconds"]),
+                                             float(done["first"]))))
+        after = htb_sent_bytes(link.namespace(tx), link.device(tx))
+        return FanoutResult(tuple(results), after - before)
     except subprocess.TimeoutExpired as exc:
         raise LinkError(f"bulk transfer did not finish within {timeout_s:g} s") from exc
     finally:
-        if receiver.poll() is None:
-            receiver.kill()
-            receiver.wait()
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
 
 
 def _emit(obj: dict[str, object]) -> None:
@@ -139,7 +217,7 @@ def main(argv: Sequence[str] | None = None, emit: Callable[[dict[str, object]], 
             emit({"event": "ready", "port": listener.getsockname()[1]})
             result = receive(listener, args.timeout)
         emit({"event": "done", "bytes": result.bytes, "seconds": result.seconds,
-              "gbps": result.gbps})
+              "first": result.first, "gbps": result.gbps})
     else:
         if args.bytes <= 0:
             parser.error("--bytes must be positive")

@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 
-from lynx_transport.errors import LinkError
+from lynx_bench.errors import LinkError
 
 __all__ = [
     "require_root",
@@ -27,6 +27,7 @@ __all__ = [
     "netem_available",
     "delete_namespace",
     "wait_carrier",
+    "wait_forwarding",
 ]
 
 _log = logging.getLogger("lynx_bench.link")
@@ -130,17 +131,32 @@ def wait_carrier(namespace: str, device: str, timeout: float = 5.0) -> float:
     carrier on (up to about a second later), and until then UCX's tcp transport
     skips the device ("No such device"). Raises :class:`LinkError` after ``timeout``.
     """
+    return _wait_link(namespace, device, timeout, bridge_port=False)
+
+
+def wait_forwarding(namespace: str, port: str, timeout: float = 5.0) -> float:
+    """Wait until bridge port ``port`` in ``namespace`` is ``UP`` and in the bridge's
+    ``forwarding`` state (immediately after carrier with STP off, the bridge's
+    default); return the seconds waited. Raises :class:`LinkError` after ``timeout``."""
+    return _wait_link(namespace, port, timeout, bridge_port=True)
+
+
+def _wait_link(namespace: str, device: str, timeout: float, *, bridge_port: bool) -> float:
     start = time.monotonic()
-    state = "?"
+    argv = ["ip", "-n", namespace, "-j", *(["-d"] if bridge_port else []), "link", "show",
+            "dev", device]
     while True:
-        out = sh(["ip", "-n", namespace, "-j", "link", "show", "dev", device]).stdout
+        out = sh(argv).stdout
         try:
-            state = str(json.loads(out)[0].get("operstate", "?"))
+            info = json.loads(out)[0]
+            state = str(info.get("operstate", "?"))
+            if bridge_port:
+                port = info.get("linkinfo", {}).get("info_slave_data", {})
+                state += f", port {port.get('state', 'not on a bridge')}"
         except (ValueError, IndexError, TypeError, AttributeError) as exc:
-            raise LinkError(f"cannot read `ip -j link show dev {device}` output: "
-                            f"{out[:200]!r}") from exc
+            raise LinkError(f"cannot read `{' '.join(argv)}` output: {out[:200]!r}") from exc
         waited = time.monotonic() - start
-        if state == "UP":
+        if state == ("UP, port forwarding" if bridge_port else "UP"):
             return waited
         if waited >= timeout:
             raise LinkError(f"{device} in namespace {namespace} is still {state} "

@@ -1,8 +1,9 @@
-"""Real link emulation: namespaces, veth, htb — driven through the ``lynx`` command.
+"""Real link emulation: namespaces, veth, bridge, htb — driven through the ``lynx``
+command and the :class:`~lynx_bench.link.Link` API.
 
 Needs root and iproute2 (tests/conftest.py skips with the reason otherwise). Every
-test uses its own prefix and removes its namespaces in a finalizer, also when it
-fails; the finalizer then asserts that nothing is left.
+test uses its own prefix and removes its namespaces (any number of hosts) in a
+finalizer, also when it fails; the finalizer then asserts that nothing is left.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from lynx_bench.link import teardown
+import lynx_bench.link
+from lynx_bench.errors import LinkError
+from lynx_bench.link import Link, teardown
+from lynx_bench.link_config import LinkConfig, owned_namespaces
 from lynx_bench.link_sys import namespaces, netem_available
 
 pytestmark = pytest.mark.netns
@@ -45,14 +49,14 @@ def root_links() -> set[str]:
 def prefix(request: pytest.FixtureRequest) -> Iterator[str]:
     name = f"lt{os.getpid() % 100000}{request.node.name[5:8]}".lower()
     name = "".join(c for c in name if c.isalnum())[:10]
-    mine = {f"{name}-tx", f"{name}-rx"}
-    assert not mine & namespaces(), f"namespaces {mine} exist before the test"
+    assert not owned_namespaces(name, namespaces()), f"namespaces of {name} exist before the test"
     before = root_links()
     try:
         yield name
     finally:
         teardown(name)
-        assert not mine & namespaces(), f"namespaces left behind: {mine & namespaces()}"
+        left = owned_namespaces(name, namespaces())
+        assert not left, f"namespaces left behind: {left}"
         assert root_links() == before, "the root namespace's devices changed"
 
 
@@ -73,7 +77,7 @@ def ready_port(receiver: subprocess.Popen[str]) -> int:
 
 def finish(child: subprocess.Popen[str], timeout: float = 60) -> dict[str, object]:
     out, err = child.communicate(timeout=timeout)
-    assert child.returncode == 0, f"{child.args} failed:\n{err}"
+    assert child.returncode == 0, f"{child.args!r} failed:\n{err}"
     return json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
 
 
@@ -191,15 +195,16 @@ def test_lane_zero_takes_the_link_before_lane_one(
     assert s1 >= 1.7 * s0, (lane0, lane1)
 
 
-def test_ctrl_c_tears_the_link_down(prefix: str) -> None:
+@pytest.mark.parametrize(("hosts", "inside"), [(1, "rx"), (3, "rx1")])
+def test_ctrl_c_tears_the_link_down(prefix: str, hosts: int, inside: str) -> None:
     """A program holding ``with Link(...)`` that gets SIGINT leaves nothing behind,
     including the process it started inside the link."""
     program = (
         "import subprocess, sys\n"
         "from lynx_bench.link import Link\n"
         "from lynx_bench.link_config import LinkConfig\n"
-        f"with Link(LinkConfig(rate_gbps=0.5, prefix={prefix!r})) as link:\n"
-        "    inside = link.popen_in('rx', ['sh', '-c', 'echo in; exec sleep 300'],\n"
+        f"with Link(LinkConfig(rate_gbps=0.5, prefix={prefix!r}, hosts={hosts})) as link:\n"
+        f"    inside = link.popen_in({inside!r}, ['sh', '-c', 'echo in; exec sleep 300'],\n"
         "                           stdout=subprocess.PIPE, text=True)\n"
         "    assert inside.stdout.readline() == 'in\\n'\n"
         "    print('up', flush=True)\n"
@@ -210,8 +215,8 @@ def test_ctrl_c_tears_the_link_down(prefix: str) -> None:
         try:
             assert child.stdout is not None
             assert child.stdout.readline() == "up\n", child.communicate()[1]
-            assert {f"{prefix}-tx", f"{prefix}-rx"} <= namespaces()
-            sleeper = subprocess.run(["ip", "netns", "pids", f"{prefix}-rx"],
+            assert len(owned_namespaces(prefix, namespaces())) == (2 if hosts == 1 else hosts + 2)
+            sleeper = subprocess.run(["ip", "netns", "pids", f"{prefix}-{inside}"],
                                      capture_output=True, text=True, check=True).stdout.split()
             assert len(sleeper) == 1
             child.send_signal(signal.SIGINT)
@@ -221,7 +226,7 @@ def test_ctrl_c_tears_the_link_down(prefix: str) -> None:
                 child.kill()
                 child.communicate()
     assert "KeyboardInterrupt" in err
-    assert not {f"{prefix}-tx", f"{prefix}-rx"} & namespaces()
+    assert not owned_namespaces(prefix, namespaces())
     assert not Path(f"/proc/{sleeper[0]}").exists()
 
 
@@ -260,3 +265,122 @@ def test_without_root_the_error_points_to_the_shaper(prefix: str) -> None:
         assert proc.returncode == 2, proc.stderr
         assert "not running as root" in proc.stderr and "--link shaper" in proc.stderr
     assert not {f"{prefix}-tx", f"{prefix}-rx"} & namespaces()
+
+
+# -- several decode hosts on a bridge ------------------------------------------------
+
+
+def test_three_hosts_come_up_on_a_bridge_and_go_down_leaving_nothing(prefix: str) -> None:
+    up = lynx("link", "up", "--rate", "1gbit", "--hosts", "3", "--prefix", prefix, "--json")
+    assert up.returncode == 0, up.stderr
+    status = json.loads(up.stdout)
+    assert status["up"] is True and status["hosts"] == 3
+    names = ["tx", "rx0", "rx1", "rx2"]
+    assert [s["host"] for s in status["sides"]] == names
+    assert [s["namespace"] for s in status["sides"]] == [f"{prefix}-{n}" for n in names]
+    assert [s["addresses"] for s in status["sides"]] == [
+        [f"10.254.0.{i}/27"] for i in range(1, 5)]
+    assert all(s["rate_gbps"] == 1.0 for s in status["sides"])  # every host's egress
+    assert status["switch"]["namespace"] == f"{prefix}-sw"
+    assert status["switch"]["ports"] == names and status["switch"]["state"] == "UP"
+    assert status["ucx_env"]["rx2"] == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": f"{prefix}-rx2"}
+    assert owned_namespaces(prefix, namespaces()) == [
+        *(f"{prefix}-{n}" for n in names), f"{prefix}-sw"]
+
+    shown = lynx("link", "status", "--prefix", prefix)
+    assert shown.returncode == 0, shown.stderr
+    assert "3 decode hosts" in shown.stdout and "bridge br (UP)" in shown.stdout
+    for i, n in enumerate(names):
+        assert f"  {n}: netns {prefix}-{n}  dev {prefix}-{n} (UP)  10.254.0.{i + 1}/27" \
+            in shown.stdout, shown.stdout
+
+    down = lynx("link", "down", "--prefix", prefix, "--json")
+    assert down.returncode == 0, down.stderr
+    assert json.loads(down.stdout)["removed"] == [*(f"{prefix}-{n}" for n in names),
+                                                  f"{prefix}-sw"]
+    assert not owned_namespaces(prefix, namespaces())  # and the fixture checks the root's devices
+    again = lynx("link", "down", "--prefix", prefix, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["removed"] == []
+
+
+def _transfer(link: Link, src: str, dst: str, n_bytes: int = 1_000_000) -> int:
+    """Send ``n_bytes`` from host ``src`` to host ``dst`` with the bulk tool; bytes received."""
+    bulk = [sys.executable, "-m", "lynx_bench.link_bulk"]
+    receiver = link.popen_in(dst, [*bulk, "recv", "--bind", link.address(dst), "--timeout", "10"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = ready_port(receiver)
+        sent = link.run_in(src, [*bulk, "send", "--to", link.address(dst), "--port", str(port),
+                                 "--bytes", str(n_bytes), "--timeout", "10"],
+                           capture_output=True, text=True, timeout=20)
+        assert sent.returncode == 0, f"{src} -> {dst}: {sent.stderr}"
+        return int(finish(receiver, timeout=20)["bytes"])  # type: ignore[call-overload]
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+            receiver.communicate()
+
+
+def test_each_decode_host_and_the_prefill_host_reach_each_other(prefix: str) -> None:
+    with Link(LinkConfig(rate_gbps=1.0, hosts=3, prefix=prefix)) as link:
+        # the prefill host has one device besides lo, so everything it sends meets its htb
+        out = subprocess.run(["ip", "-n", link.namespace("tx"), "-j", "link", "show"],
+                             capture_output=True, text=True, check=True).stdout
+        assert sorted(d["ifname"] for d in json.loads(out)) == sorted(["lo", f"{prefix}-tx"])
+        assert link.ucx_env(link.prefill_host)["UCX_NET_DEVICES"] == f"{prefix}-tx"
+        for i, host in enumerate(link.decode_hosts):
+            name = f"rx{i}"
+            assert link.address("rx", i) == link.address(host) == f"10.254.0.{i + 2}"
+            assert link.exec_argv(host, ["true"]) == ["ip", "netns", "exec", f"{prefix}-{name}",
+                                                      "true"]
+            assert link.ucx_env(host) == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": f"{prefix}-{name}"}
+            assert _transfer(link, "tx", name) == 1_000_000
+            assert _transfer(link, name, "tx") == 1_000_000
+
+
+def test_htb_holds_two_decode_hosts_together_to_the_rate(prefix: str) -> None:
+    up = lynx("link", "up", "--rate", "1gbit", "--hosts", "3", "--prefix", prefix)
+    assert up.returncode == 0, up.stderr
+    # two streams at once, 2 s together at the rate; rx1 idles
+    measured = lynx("link", "measure", "--seconds", "2", "--realtime", "--to", "rx0,rx2",
+                    "--prefix", prefix, "--json")
+    assert measured.returncode == 0, measured.stderr
+    result = json.loads(measured.stdout)
+    hosts = result["hosts"]
+    assert [h["host"] for h in hosts] == ["rx0", "rx2"]
+    assert all(h["bytes"] == 125_000_000 for h in hosts)
+    # both were served at once (each ~R/2 over nearly the whole span), not one after the other
+    assert all(h["seconds"] >= 0.8 * result["seconds"] for h in hosts), result
+    assert all(0.35 <= h["gbps"] <= 0.65 for h in hosts), result
+    # the sum is the rate, not twice it: htb's own count of frames within 5%, and the
+    # TCP payload below the rate by about the headers (1448 of each 1514 bytes)
+    assert 0.95 <= result["htb_ratio"] <= 1.05, result
+    assert 0.90 <= result["ratio"] <= 1.0, result
+
+
+@pytest.mark.parametrize("argv", [["--hosts", "0"], ["--hosts", "17"], ["--hosts", "-2"],
+                                  ["--hosts", "3", "--subnet", "10.254.0.0/30"]])
+def test_bad_hosts_are_refused_before_anything_is_created(prefix: str, argv: list[str]) -> None:
+    before = namespaces()
+    up = lynx("link", "up", "--rate", "1gbit", *argv, "--prefix", prefix)
+    assert up.returncode == 2, up.stderr
+    assert up.stderr.startswith("lynx: error: ") and ("hosts" in up.stderr), up.stderr
+    assert namespaces() == before
+
+
+def test_a_failure_while_setting_up_many_hosts_removes_everything(
+        prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_sh = lynx_bench.link.sh
+    ran: list[list[str]] = []
+
+    def failing_sh(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        ran.append(list(argv))
+        if argv[0] == "tc" and f"{prefix}-rx2" in argv:  # the last host's shaping
+            raise LinkError("injected failure")
+        return real_sh(argv, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lynx_bench.link, "sh", failing_sh)
+    with pytest.raises(LinkError, match="injected failure"):
+        Link(LinkConfig(rate_gbps=1.0, hosts=3, prefix=prefix)).up()
+    assert any(a[:3] == ["ip", "netns", "add"] and a[3] == f"{prefix}-sw" for a in ran)
+    assert not owned_namespaces(prefix, namespaces())

@@ -7,9 +7,12 @@ import pytest
 
 from lynx_bench.cli import main
 from lynx_bench.link_config import (
+    MAX_HOSTS,
+    Host,
     LinkConfig,
     PortRange,
     Side,
+    owned_namespaces,
     parse_duration,
     parse_percent,
     parse_rate,
@@ -102,6 +105,12 @@ def test_lane_port_ranges_are_aligned_for_one_u32_mask() -> None:
     {"lanes": 2, "lane_port_base": 40000},  # not aligned to the block
     {"lanes": 8, "lane_port_base": 65024, "lane_port_block": 256},  # past 65535
     {"burst_bytes": 10},
+    {"hosts": 0}, {"hosts": -1}, {"hosts": MAX_HOSTS + 1}, {"hosts": True}, {"hosts": 2.0},
+    {"hosts": "3"},
+    {"hosts": 2, "subnet": "10.0.0.0/30"},  # 2 addresses, 3 hosts
+    {"hosts": 8, "subnet": "10.0.0.0/29"},  # 6 addresses, 9 hosts
+    {"hosts": 2, "prefix": "twelve-chars"},  # twelve-chars-rx1: 16 > 15 characters
+    {"hosts": 11, "prefix": "elevenchars"},  # elevenchars-rx10: 16
 ])
 def test_bad_config_raises_config_error(kwargs: dict[str, object]) -> None:
     args: dict[str, object] = {"rate_gbps": 1.0, **kwargs}
@@ -109,10 +118,66 @@ def test_bad_config_raises_config_error(kwargs: dict[str, object]) -> None:
         LinkConfig(**args)  # type: ignore[arg-type]
 
 
+def test_one_decode_host_keeps_the_two_namespace_names() -> None:
+    cfg = LinkConfig(rate_gbps=1.0, prefix="lx")
+    assert cfg.hosts == 1 and not cfg.switched
+    assert cfg.decode_hosts == (Host(Side.RX, 0),) and cfg.prefill_host == Host(Side.TX)
+    assert cfg.network.with_prefixlen == "10.254.0.0/30"
+    assert cfg.namespaces == ("lx-tx", "lx-rx")
+    for ref in ("rx", "rx0", Side.RX, Host(Side.RX, 0)):
+        assert cfg.namespace(ref) == "lx-rx" and cfg.address(ref) == "10.254.0.2"
+    assert cfg.address("rx", 0) == "10.254.0.2" and cfg.host_name("rx", 0) == "rx"
+
+
+def test_several_decode_hosts_are_numbered_and_share_a_subnet() -> None:
+    cfg = LinkConfig(rate_gbps=1.0, prefix="lx", hosts=3)
+    assert cfg.switched and len(cfg.decode_hosts) == 3
+    assert cfg.network.with_prefixlen == "10.254.0.0/27" and cfg.prefixlen == 27
+    assert cfg.namespaces == ("lx-tx", "lx-rx0", "lx-rx1", "lx-rx2", "lx-sw")
+    assert [cfg.device(h) for h in cfg.decode_hosts] == ["lx-rx0", "lx-rx1", "lx-rx2"]
+    assert [cfg.address(h) for h in cfg.all_hosts] == [
+        "10.254.0.1", "10.254.0.2", "10.254.0.3", "10.254.0.4"]
+    assert cfg.host("rx", 2) == cfg.host("rx2") == cfg.host(Side.RX, 2) == Host(Side.RX, 2)
+    assert cfg.switch_port("tx") == "tx" and cfg.switch_port("rx", 1) == "rx1"
+    assert LinkConfig(rate_gbps=1.0, hosts=3, subnet="192.168.7.0/29").address("rx2") == \
+        "192.168.7.4"
+    # the longest prefix that still names MAX_HOSTS devices within 15 characters
+    wide = LinkConfig(rate_gbps=1.0, prefix="tencharsxx", hosts=MAX_HOSTS)
+    assert max(len(wide.device(h)) for h in wide.all_hosts) == 15
+
+
+@pytest.mark.parametrize(("ref", "index"), [
+    ("rx", None), (Side.RX, None),  # three decode hosts: which one?
+    ("rx", 3), ("rx3", None), (Host(Side.RX, 3), None), ("rx", -1), ("rx", True),
+    ("tx", 1), ("tx1", None), ("rx1", 1), (Host(Side.RX, 1), 1),
+    ("decode", None), ("", None), (3, None),
+])
+def test_naming_a_host_that_is_not_there_is_a_config_error(ref: object, index: object) -> None:
+    cfg = LinkConfig(rate_gbps=1.0, hosts=3)
+    with pytest.raises(ConfigError):
+        cfg.address(ref, index)  # type: ignore[arg-type]
+
+
+def test_too_long_a_prefix_for_the_hosts_says_how_long_it_may_be() -> None:
+    with pytest.raises(ConfigError, match="at most 11 characters"):
+        LinkConfig(rate_gbps=1.0, prefix="twelve-chars", hosts=2)
+
+
+def test_owned_namespaces_are_only_a_links_own_names() -> None:
+    existing = ["lx-sw", "lx-rx10", "lx-rx2", "lx-tx", "lx-rx", "lx-rx16", "lx-rx02", "lx-foo",
+                "lx-rx1-tx", "lxx-tx", "other", "lx-tx-sw", "lx-rx15"]
+    assert owned_namespaces("lx", existing) == ["lx-tx", "lx-rx", "lx-rx2", "lx-rx10",
+                                                "lx-rx15", "lx-sw"]
+    assert owned_namespaces("lx-rx1", existing) == ["lx-rx1-tx"]
+    assert owned_namespaces("a.b", ["a.b-tx", "axb-tx"]) == ["a.b-tx"]
+
+
 @pytest.mark.parametrize("argv", [
     ["--rate", "0"], ["--rate=-1gbit"], ["--rate", "1gbps"], ["--rate", "1furlong"],
     ["--rate", "1gbit", "--loss", "200%"], ["--rate", "1gbit", "--delay", "soon"],
     ["--rate", "1gbit", "--prefix", "NO_CAPS"],
+    ["--rate", "1gbit", "--hosts", "0"], ["--rate", "1gbit", "--hosts", "17"],
+    ["--rate", "1gbit", "--hosts", "3", "--subnet", "10.254.0.0/30"],
 ])
 def test_cli_rejects_bad_input_before_touching_the_system(
         argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
