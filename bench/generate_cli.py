@@ -9,11 +9,27 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from lynx_bench.node_args import add_model_arguments, add_secret_argument, host_port, load_model, transport_config
-from lynx_transport.errors import ConfigError, PromptError
+from lynx_bench.node_args import (
+    add_model_arguments,
+    add_secret_argument,
+    add_timeout_arguments,
+    host_port,
+    load_model,
+    timeouts,
+    transport_config,
+)
+from lynx_decode.codec_config import ANCHOR_BITS, DEFAULT_ANCHOR_BITS, MAX_BITS, MIN_BITS
+from lynx_decode.errors import PromptError
+from lynx_transport.errors import ConfigError
+from lynx_transport.seam import UCX, Transport
 
-__all__ = ["add_arguments", "run"]
+if TYPE_CHECKING:
+    from lynx_decode.decode_node import DecodeNode
+    from lynx_decode.model.protocol import CausalLM
+
+__all__ = ["add_arguments", "decode_node", "run"]
 
 SCHEMES = ("lynx", "int8", "int4", "bf16")
 
@@ -26,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt in the model's chat template")
     parser.add_argument("--scheme", choices=SCHEMES, default="lynx")
-    parser.add_argument("--anchor-bits", type=int, default=4, choices=range(2, 7), metavar="B",
-                        help="anchor bits for --scheme lynx (2..6, default 4)")
+    parser.add_argument("--anchor-bits", type=int, default=DEFAULT_ANCHOR_BITS, choices=ANCHOR_BITS,
+                        metavar="B", help=f"anchor bits for --scheme lynx ({MIN_BITS}..{MAX_BITS}, "
+                                          f"default {DEFAULT_ANCHOR_BITS})")
     parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     parser.add_argument("--max-draft", type=int, default=None, metavar="K",
                         help="most tokens drafted before verification (default: the engine's)")
@@ -39,15 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write metrics, text and tokens here")
     parser.add_argument("--listen-host", default="127.0.0.1", metavar="HOST",
                         help="address the prefill node connects back to (default 127.0.0.1)")
-    parser.add_argument("--timeout", type=float, default=120.0, metavar="S")
     parser.add_argument("--on-missing-residual", choices=["fail", "unverified"], default="fail",
                         help="when the residual never arrives (prefill node lost, or "
                              "--residual-timeout passed): fail (default), or finish on the "
                              "anchors with every token marked unverified")
-    parser.add_argument("--residual-timeout", type=float, default=None, metavar="S",
-                        help="once drafting started, wait at most S seconds for the residual "
-                             "(default: --timeout)")
     add_secret_argument(parser)
+    add_timeout_arguments(parser, residual=True)
     add_model_arguments(parser)
 
 
@@ -67,13 +81,21 @@ def _validate(args: argparse.Namespace) -> str:
     return text
 
 
+def decode_node(args: argparse.Namespace, model: CausalLM, transport: Transport = UCX) -> DecodeNode:
+    """The decode node the flags describe (transport settings, every timeout)."""
+    from lynx_decode.decode_node import DecodeNode  # noqa: PLC0415 - loads the decode stack
+
+    return DecodeNode(model, host=args.listen_host, config=transport_config(args),
+                      timeouts=timeouts(args), transport=transport)
+
+
 def run(args: argparse.Namespace) -> int:
     server = host_port(args.connect, flag="--connect")
     text = _validate(args)
-    config = transport_config(args)
+    transport_config(args)  # bad flags fail before the model loads
+    timeouts(args)
     model = load_model(args)
     from lynx_decode.codec_config import Scheme  # noqa: PLC0415
-    from lynx_decode.decode_node import DecodeNode  # noqa: PLC0415
     from lynx_decode.speculative import DEFAULT_MAX_DRAFT, MissingFull  # noqa: PLC0415
 
     ids = model.chat_prompt(text) if args.chat else model.tokenize(text)
@@ -82,13 +104,11 @@ def run(args: argparse.Namespace) -> int:
         raise PromptError(f"the prompt has {len(ids)} tokens; with {args.max_new_tokens} new tokens "
                           f"it exceeds the model's context window of {limit}")
     max_draft = DEFAULT_MAX_DRAFT if args.max_draft is None else args.max_draft
-    with DecodeNode(model, host=args.listen_host, timeout_s=args.timeout,
-                    config=config) as node:
+    with decode_node(args, model) as node:
         result = node.run(server, ids, scheme=Scheme(args.scheme), anchor_bits=args.anchor_bits,
                           max_new_tokens=args.max_new_tokens, bandwidth_gbps=args.bandwidth,
                           max_draft=max_draft,
-                          on_missing_residual=MissingFull(args.on_missing_residual),
-                          residual_timeout_s=args.residual_timeout)
+                          on_missing_residual=MissingFull(args.on_missing_residual))
         out = dict(result.metrics)
         out.update(text=result.text, tokens=list(result.tokens))
         if args.check:

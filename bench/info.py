@@ -7,6 +7,7 @@ import importlib.metadata
 import importlib.util
 import json
 import platform
+from typing import TypedDict
 
 __all__ = ["add_arguments", "run", "collect"]
 
@@ -18,7 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
-def collect() -> dict[str, object]:
+class Info(TypedDict):
+    python: str
+    machine: str
+    packages: dict[str, str | None]
+
+
+def collect() -> Info:
     """Installed versions of Lynx's dependencies (None where missing)."""
     versions: dict[str, str | None] = {}
     for name in _PACKAGES:
@@ -36,6 +43,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"python {info['python']} ({info['machine']})")
-    for name, version in info["packages"].items():  # type: ignore[union-attr]
+    for name, version in info["packages"].items():
         print(f"  {name:<14} {version or 'not installed'}")
     return 0

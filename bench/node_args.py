@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lynx_transport.errors import ConfigError
 
+if TYPE_CHECKING:
+    from lynx_decode.timeouts import Timeouts
+
 __all__ = ["host_port", "add_model_arguments", "load_model", "add_secret_argument", "load_secret",
-           "SECRET_ENV", "transport_config"]
+           "SECRET_ENV", "transport_config", "add_timeout_arguments", "timeouts", "timeout_argv"]
 
 #: Environment variable holding the transport's shared secret (``--secret-file`` wins).
 SECRET_ENV = "LYNX_SECRET"
@@ -87,3 +93,53 @@ def transport_config(args: argparse.Namespace):
     from lynx_transport.config import TransportConfig  # noqa: PLC0415
 
     return TransportConfig(secret=load_secret(args))
+
+
+#: ``--FLAG`` -> (Timeouts field, help). ``--stream-timeout`` is also ``--timeout``.
+_TIMEOUT_FLAGS = {
+    "--connect-timeout": ("connect_s", "connecting to a peer: the TCP connect, then again the handshake"),
+    "--handshake-timeout": ("handshake_s", "a connecting peer must finish its handshake within S"),
+    "--peer-timeout": ("peer_s", "a peer silent for S seconds is lost and its streams fail"),
+    "--stream-timeout": ("stream_s", "one request end to end: its stream opening, every region, "
+                                     "the confirmation"),
+    "--residual-timeout": ("residual_s", "once drafting started, wait at most S for the residual "
+                                         "(default: --stream-timeout)"),
+}
+
+
+def add_timeout_arguments(parser: argparse.ArgumentParser, *, residual: bool = False) -> None:
+    """The node's timeouts, one flag per :class:`~lynx_decode.timeouts.Timeouts` field
+    (``--residual-timeout`` only where ``residual``: the decode node's)."""
+    from lynx_decode.timeouts import Timeouts  # noqa: PLC0415 - keeps `lynx --help` light
+
+    defaults = Timeouts()
+    group = parser.add_argument_group("timeouts (seconds)")
+    for flag, (field, text) in _TIMEOUT_FLAGS.items():
+        if field == "residual_s" and not residual:
+            continue
+        default = getattr(defaults, field)
+        names = [flag, "--timeout"] if field == "stream_s" else [flag]
+        group.add_argument(*names, dest=field, type=float, default=default, metavar="S",
+                           help=text if default is None else f"{text} (default {default:g})")
+
+
+def timeouts(args: argparse.Namespace) -> Timeouts:
+    """The :class:`~lynx_decode.timeouts.Timeouts` the flags ask for (:class:`ConfigError` if bad)."""
+    from lynx_decode.timeouts import Timeouts  # noqa: PLC0415 - keeps `lynx --help` light
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Timeouts) if hasattr(args, f.name)}
+    flags = {field: flag for flag, (field, _) in _TIMEOUT_FLAGS.items()}
+    for field, value in values.items():
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{flags[field]}: must be a positive, finite number of seconds, got {value:g}")
+    return Timeouts(**values)
+
+
+def timeout_argv(t: Timeouts, *, residual: bool = False) -> list[str]:
+    """Flags that give a child node the timeouts ``t`` (the inverse of :func:`timeouts`)."""
+    out: list[str] = []
+    for flag, (field, _) in _TIMEOUT_FLAGS.items():
+        value = getattr(t, field)
+        if value is not None and (residual or field != "residual_s"):
+            out += [flag, repr(float(value))]
+    return out

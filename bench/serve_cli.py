@@ -4,13 +4,35 @@ accepts requests, then serves until interrupted (SIGINT/SIGTERM)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
-from lynx_bench.node_args import add_model_arguments, add_secret_argument, host_port, load_model, transport_config
+from lynx_bench.node_args import (
+    add_model_arguments,
+    add_secret_argument,
+    add_timeout_arguments,
+    host_port,
+    load_model,
+    timeouts,
+    transport_config,
+)
+from lynx_transport.config import TransportConfig
+from lynx_transport.errors import ConfigError
+from lynx_transport.scheduler import LanePolicy
+from lynx_transport.seam import UCX, Transport
+from lynx_transport.shaper import Rate
 
-__all__ = ["add_arguments", "run"]
+BURST_BYTES = 1 << 20  # as the prefill node's per-request shaping
+
+if TYPE_CHECKING:
+    from lynx_decode.model.protocol import CausalLM
+    from lynx_decode.prefill_node import PrefillNode
+
+__all__ = ["add_arguments", "prefill_node", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,22 +40,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to accept requests on (default 127.0.0.1, an ephemeral port)")
     parser.add_argument("--no-prefill-cache", action="store_true",
                         help="prefill every request (default: reuse cached prefills from disk)")
+    parser.add_argument("--rate", type=float, default=None, metavar="GBPS",
+                        help="shape the node's egress (its replies to every decode node) to GBPS "
+                             "Gbit/s (default: unshaped)")
+    parser.add_argument("--max-pending", type=int, default=32, metavar="N",
+                        help="requests admitted and not yet finished; more are refused as busy "
+                             "at once (default 32)")
+    parser.add_argument("--memory-cache", type=int, default=4, metavar="N",
+                        help="recent prefills kept in memory (default 4; 0: none)")
+    parser.add_argument("--lane-policy", choices=[p.value for p in LanePolicy], default=None,
+                        help="order of the streams within a lane, across every request "
+                             f"(default {TransportConfig().lane_policy.value}; see LanePolicy)")
     add_secret_argument(parser)
+    add_timeout_arguments(parser)
     add_model_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    host, port = host_port(args.listen, flag="--listen")
-    config = transport_config(args)
-    model = load_model(args)
-    from lynx_decode.prefill_cache import PrefillCache  # noqa: PLC0415
-    from lynx_decode.prefill_node import PrefillNode  # noqa: PLC0415
+def prefill_node(args: argparse.Namespace, model: CausalLM, transport: Transport = UCX) -> PrefillNode:
+    """The prefill node the flags describe (address, cache, transport settings, every timeout)."""
+    from lynx_decode.prefill_cache import PrefillCache  # noqa: PLC0415 - loads the decode stack
+    from lynx_decode.prefill_node import PrefillNode  # noqa: PLC0415 - loads the decode stack
 
+    host, port = host_port(args.listen, flag="--listen")
+    cache = None if args.no_prefill_cache else PrefillCache()
+    config = transport_config(args)
+    if args.lane_policy is not None:
+        config = dataclasses.replace(config, lane_policy=LanePolicy(args.lane_policy))
+    return PrefillNode(model, host=host, port=port, cache=cache, config=config,
+                       timeouts=timeouts(args), transport=transport, max_pending=args.max_pending,
+                       memory_cache=args.memory_cache, link_rate=_rate(args))
+
+
+def _rate(args: argparse.Namespace) -> Rate | None:
+    if args.rate is None:
+        return None
+    if not (args.rate > 0 and math.isfinite(args.rate)):
+        raise ConfigError(f"--rate: {args.rate:g} is not a positive number of Gbit/s")
+    return Rate(args.rate, BURST_BYTES)
+
+
+#: ``lynx serve`` logs one line per request at INFO unless ``--log-level`` says otherwise.
+DEFAULT_LOG_LEVEL = "info"
+
+
+def run(args: argparse.Namespace) -> int:
+    host_port(args.listen, flag="--listen")
+    transport_config(args)  # bad flags fail before the model loads
+    timeouts(args)
+    _rate(args)
+    for flag, value, low in (("--max-pending", args.max_pending, 1), ("--memory-cache", args.memory_cache, 0)):
+        if value < low:
+            raise ConfigError(f"{flag}: must be >= {low}, got {value}")
+    model = load_model(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cache = None if args.no_prefill_cache else PrefillCache()
-    with PrefillNode(model, host=host, port=port, cache=cache, config=config) as node:
+    with prefill_node(args, model) as node:
         bound_host, bound_port = node.address
         print(f"listening on {bound_host}:{bound_port}", flush=True)
         node.serve(stop)

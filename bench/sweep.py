@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lynx_bench.node_args import add_timeout_arguments, timeout_argv, timeouts
 from lynx_bench.processes import Child, ChildError
 from lynx_bench.results import Row, ratio_table, summary_table, write_results
 from lynx_bench.sweep_config import QUICK, SCHEMES, LinkMode, SweepConfig, parse_floats, parse_ints
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a short preset (1 and 10 Gbit/s, 1024 tokens, 1 prompt, 16 tokens, 1 repeat)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
+    add_timeout_arguments(parser, residual=True)
 
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
@@ -78,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
             changes[name] = getattr(args, name)
     if args.link is not None:
         changes["link"] = LinkMode(args.link)
+    changes["timeouts"] = timeouts(args)
     if args.quick and args.out is None:
         changes["out"] = Path("demo-out")
     return dataclasses.replace(base, **changes).validate()
@@ -130,12 +133,14 @@ def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator
     serve = worker = None
     try:
         tag = "" if bandwidth is None else f"-{bandwidth:g}"
-        argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen]
+        argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen,
+                *timeout_argv(config.timeouts)]
         serve = Child("prefill node", argv if link is None else link.exec_argv("tx", argv),
                       logs / f"serve{tag}.log", env=serve_env)
         address = serve.expect("listening on", STARTUP_TIMEOUT_S)
         argv = [*_python(), "-m", "lynx_bench.sweep_worker", "--connect", address,
-                "--listen-host", listen_host, "--prompts", str(config.prompts)]
+                "--listen-host", listen_host, "--prompts", str(config.prompts),
+                *timeout_argv(config.timeouts, residual=True)]
         worker = Child("decode node", argv if link is None else link.exec_argv("rx", argv),
                        logs / f"decode{tag}.log", env=worker_env)
         ready = json.loads(worker.expect("READY", STARTUP_TIMEOUT_S))
@@ -209,15 +214,15 @@ def _rows(results: list[tuple[_Job, dict[str, Any]]]) -> list[Row]:
     for job, out in results:
         if job.scheme in ("int8", "bf16") and job.repeat == 0:
             refs.setdefault((job.scheme, job.context, job.prompt_id), out["tokens"])
+
+    def agree(ref: str, job: _Job, tokens: list[int]) -> float | None:
+        ref_tokens = refs.get((ref, job.context, job.prompt_id))
+        return None if ref_tokens is None else float(ref_tokens == tokens)
+
     rows = []
     for job, out in results:
         if not job.recorded:
             continue
-
-        def agree(ref: str) -> float | None:
-            tokens = refs.get((ref, job.context, job.prompt_id))
-            return None if tokens is None else float(tokens == out["tokens"])
-
         assert job.bandwidth_gbps is not None
         rows.append(Row(
             scheme=job.scheme, bandwidth_gbps=job.bandwidth_gbps, context=job.context,
@@ -225,16 +230,17 @@ def _rows(results: list[tuple[_Job, dict[str, Any]]]) -> list[Row]:
             ttfct_s=out["ttfct_s"], e2e_s=out["e2e_s"], acceptance_rate=out["acceptance_rate"],
             bytes_anchor=out["bytes_anchor"], bytes_residual=out["bytes_residual"],
             bytes_total=out["bytes_total"], accuracy=out["accuracy"],
-            agreement_vs_int8=agree("int8"), agreement_vs_bf16=agree("bf16"), text=out["text"]))
+            agreement_vs_int8=agree("int8", job, out["tokens"]), agreement_vs_bf16=agree("bf16", job, out["tokens"]),
+            text=out["text"]))
     return rows
 
 
 def _default_context_window() -> int | None:
     """The default model's context window, read from its GGUF header (milliseconds);
     None when the model is not installed (the decode worker then reports it)."""
+    from lynx_decode.errors import ModelError  # noqa: PLC0415
     from lynx_decode.model.gguf_meta import gguf_context_length  # noqa: PLC0415
     from lynx_decode.model.store import default_gguf_path  # noqa: PLC0415
-    from lynx_transport.errors import ModelError  # noqa: PLC0415
 
     try:
         return gguf_context_length(default_gguf_path())
@@ -245,10 +251,9 @@ def _default_context_window() -> int | None:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     config.validate(max_context=_default_context_window())
-    if config.link is LinkMode.NETNS:
-        if os.geteuid() != 0:
-            raise ConfigError("--link netns needs root (network namespaces and tc); "
-                              "use --link shaper (the default) to shape in the transport instead")
+    if config.link is LinkMode.NETNS and os.geteuid() != 0:
+        raise ConfigError("--link netns needs root (network namespaces and tc); "
+                          "use --link shaper (the default) to shape in the transport instead")
     command = shlex.join(["lynx", *sys.argv[1:]]) if sys.argv[0].endswith("lynx") else shlex.join(sys.argv)
     rows, recorded = run_sweep(config, progress=not args.no_progress, command=command)
     json_path, csv_path = write_results(config.out, recorded, rows)

@@ -13,6 +13,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from lynx_decode.codec_config import ANCHOR_BITS, DEFAULT_ANCHOR_BITS, MAX_BITS, MIN_BITS
+from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import ConfigError
 
 __all__ = ["LinkMode", "SweepConfig", "QUICK", "parse_floats", "parse_ints", "check_writable_dir"]
@@ -34,11 +36,13 @@ class SweepConfig:
     schemes: tuple[str, ...] = SCHEMES
     prompts: int = 2
     new_tokens: int = 32
-    anchor_bits: int = 4
+    anchor_bits: int = DEFAULT_ANCHOR_BITS
     link: LinkMode = LinkMode.SHAPER
     repeats: int = 3
     out: Path = Path("sweep-out")
     seed: int = 0
+    #: the nodes' timeouts (``--*-timeout`` flags), handed to both node processes
+    timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
 
     def validate(self, max_context: int | None = None) -> SweepConfig:
         """Raise :class:`ConfigError` naming the first bad field; returns self."""
@@ -65,8 +69,8 @@ class SweepConfig:
                                  ("--repeats", self.repeats, 1)):
             if value < low:
                 raise ConfigError(f"{name}: must be at least {low}, got {value}")
-        if not 2 <= self.anchor_bits <= 6:
-            raise ConfigError(f"--anchor-bits: must be in 2..6, got {self.anchor_bits}")
+        if self.anchor_bits not in ANCHOR_BITS:
+            raise ConfigError(f"--anchor-bits: must be in {MIN_BITS}..{MAX_BITS}, got {self.anchor_bits}")
         check_writable_dir(self.out, "--out")
         return self
 

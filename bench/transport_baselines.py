@@ -50,7 +50,7 @@ def raw_ucxx_receiver(pipe: Pipe, nbytes: int, tls: str) -> None:
     bytes are in place. The buffer's last byte is set to 255 first; senders send zeros."""
     from ucxx._lib.arr import Array  # noqa: PLC0415
 
-    lib, ctx, worker = _worker(tls)
+    lib, _ctx, worker = _worker(tls)  # the context stays referenced while the worker runs
     from lynx_transport.pool import host_buffer  # noqa: PLC0415
 
     buf = host_buffer(nbytes, touch=False)  # 2 MiB-aligned like a Lynx pool ...
@@ -156,13 +156,13 @@ def perftest_binary() -> tuple[pathlib.Path, dict[str, str]] | None:
     spec = importlib.util.find_spec("libucx")
     if spec is None or not spec.submodule_search_locations:
         return None
-    root = pathlib.Path(list(spec.submodule_search_locations)[0])
+    root = pathlib.Path(next(iter(spec.submodule_search_locations)))
     binary = root / "bin" / "ucx_perftest"
     if not binary.exists():
         return None
     libs = [str(root / "lib"), str(root.parent / "libucx_cu12.libs")]
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
+    env["LD_LIBRARY_PATH"] = ":".join([*libs, env.get("LD_LIBRARY_PATH", "")])
     return binary, env
 
 

@@ -63,7 +63,7 @@ Tokenizer = _Encodes | Callable[[str], list[int]]
 def _encoder(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
     encode = getattr(tokenizer, "encode", None)
     if callable(encode):
-        return encode  # type: ignore[no-any-return]
+        return encode
     if callable(tokenizer):
         return tokenizer
     raise ConfigError(f"tokenizer must have encode(text) or be callable, got {tokenizer!r}")

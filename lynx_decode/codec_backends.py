@@ -30,7 +30,8 @@ from lynx_decode import codec_pack as pk
 from lynx_decode import codec_quant as qt
 from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Split
 from lynx_decode.codec_layout import LayerLayout
-from lynx_transport.errors import BackendError, CodecError
+from lynx_decode.errors import CodecError
+from lynx_transport.errors import BackendError
 
 __all__ = ["Ops", "ReferenceOps", "NumbaOps", "select", "padded", "levels_of", "codes_of"]
 
@@ -54,7 +55,9 @@ class Ops:
         """Write uint8 codes of ``x`` into ``out [H,T,D]`` (params fp32, group-shaped)."""
         raise NotImplementedError
 
-    def dequant(self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any) -> None:
+    def dequant(
+        self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any
+    ) -> None:
         """Write fp32 ``(values*2**shift + offset) * scale + zero`` into ``out [H,T,D]``."""
         raise NotImplementedError
 
@@ -173,7 +176,9 @@ class ReferenceOps(Ops):
         e = functools.partial(self._expand, group=group, kind=kind, shape=x.shape)
         out[...] = qt.quantize(x, e(inv), e(zero), levels, self.xp)
 
-    def dequant(self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any) -> None:
+    def dequant(
+        self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any
+    ) -> None:
         e = functools.partial(self._expand, group=group, kind=kind, shape=values.shape)
         out[...] = qt.dequantize(values, shift, offset, e(scale), e(zero), self.xp)
 
@@ -250,7 +255,9 @@ class NumbaOps(Ops):
         with _NUMBA_LOCK:
             (self._quant.minmax_k if kind == "k" else self._quant.minmax_v)(x, group, lo, hi, bad)
         if bad.any():
-            raise CodecError(f"{what} contains non-finite values (NaN or inf) in {int(bad.sum())} quantization group(s)")
+            raise CodecError(
+                f"{what} contains non-finite values (NaN or inf) in {int(bad.sum())} quantization group(s)"
+            )
         return lo, hi
 
     @_locked
@@ -258,7 +265,9 @@ class NumbaOps(Ops):
         (self._quant.quantize_k if kind == "k" else self._quant.quantize_v)(x, inv, zero, group, levels, out)
 
     @_locked
-    def dequant(self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any) -> None:
+    def dequant(
+        self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any
+    ) -> None:
         fn = self._quant.dequant_k if kind == "k" else self._quant.dequant_v
         fn(values, np.float32(1 << shift), np.float32(offset), scale, zero, group, out)
 
@@ -272,7 +281,7 @@ class NumbaOps(Ops):
     def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, data: Any, residual: Any) -> None:
         # one fused pass on the calling thread (lynx_kernels.cpu_codec): no launch lock needed
         c = self._codec
-        heads, tokens, dim = x.shape
+        _heads, tokens, dim = x.shape
         mode = {Scheme.INT8: c.ENC_INT8, Scheme.INT4: c.ENC_INT4}.get(config.scheme, c.ENC_LYNX)
         if mode == c.ENC_LYNX and residual is None:
             mode = c.ENC_ANCHOR
@@ -291,7 +300,8 @@ class NumbaOps(Ops):
             raise CodecError(f"{what} contains non-finite values (NaN or inf) in {bad_x} quantization group(s)")
         if bad_p:
             raise CodecError(
-                f"{what} contains non-finite values or values outside the fp16 range (|x| > 65504) in {bad_p} quantization group(s)"
+                f"{what} contains non-finite values or values outside the fp16 range (|x| > 65504) "
+                f"in {bad_p} quantization group(s)"
             )
 
     def decode(self, layout: LayerLayout, kind: str, data: Any, residual: Any, scale: Any, zero: Any, out: Any) -> None:

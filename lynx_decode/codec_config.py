@@ -6,12 +6,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from lynx_transport.errors import CodecError
+from lynx_decode.errors import CodecError
 
-__all__ = ["Scheme", "Split", "Stream", "Backend", "CodecConfig", "MIN_BITS", "MAX_BITS"]
+__all__ = ["Scheme", "Split", "Stream", "Backend", "CodecConfig", "MIN_BITS", "MAX_BITS", "ANCHOR_BITS",
+           "DEFAULT_ANCHOR_BITS"]
 
+#: The anchor widths the codec supports: the one definition every layer, config and
+#: CLI flag takes the range from (1 bit is too coarse to draft on; at 7 the residual
+#: is a single bit and splitting saves almost nothing).
 MIN_BITS = 2
 MAX_BITS = 6
+ANCHOR_BITS = range(MIN_BITS, MAX_BITS + 1)
+DEFAULT_ANCHOR_BITS = 4
 
 
 class Scheme(enum.Enum):
@@ -67,7 +73,7 @@ class CodecConfig:
     """
 
     scheme: Scheme = Scheme.LYNX
-    bits: int = 4
+    bits: int = DEFAULT_ANCHOR_BITS
     k_group: int = 64
     v_group: int = 64
     split: Split = Split.MSB

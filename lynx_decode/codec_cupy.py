@@ -49,9 +49,13 @@ class CupyOps(ReferenceOps):
 
     def quantize(self, x: Any, inv: Any, zero: Any, group: int, kind: str, levels: int, out: Any) -> None:
         n = x.size
-        self._launch("lynx_quantize", n, x, inv, zero, out, *self._dims(x.shape, group, kind), np.float32(levels), np.int64(n))
+        self._launch(
+            "lynx_quantize", n, x, inv, zero, out, *self._dims(x.shape, group, kind), np.float32(levels), np.int64(n)
+        )
 
-    def dequant(self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any) -> None:
+    def dequant(
+        self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any
+    ) -> None:
         n = values.size
         self._launch(
             "lynx_dequant", n, values, np.float32(1 << shift), np.float32(offset), scale, zero, out,

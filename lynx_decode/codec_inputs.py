@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from lynx_decode.codec_quant import bf16_bits_to_f32
-from lynx_transport.errors import BackendError, CodecError
+from lynx_decode.errors import CodecError
+from lynx_transport.errors import BackendError
 
 __all__ = ["Tensor", "as_tensor", "as_f32", "as_byte_buffer", "as_output", "array_module"]
 
@@ -122,7 +123,9 @@ def as_byte_buffer(buf: Any, name: str, need: int, xp: Any) -> Any:
     if buf.size < need:
         raise CodecError(f"{name} holds {buf.size} bytes but the layout needs {need}")
     if xp is not np and buf.data.ptr % 8:
-        raise CodecError(f"{name} must start on an 8-byte boundary for the CUDA kernels (layout offsets are {64}-aligned)")
+        raise CodecError(
+            f"{name} must start on an 8-byte boundary for the CUDA kernels (layout offsets are {64}-aligned)"
+        )
     return buf[:need]
 
 

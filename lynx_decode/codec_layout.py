@@ -16,13 +16,14 @@ multiples of :data:`ALIGN` bytes (zero padding between). In the cache, layer
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from lynx_decode.codec_config import MAX_BITS, MIN_BITS, CodecConfig, Scheme, Split, Stream
 from lynx_decode.codec_pack import packed_size
-from lynx_transport.errors import CodecError, LayoutError
+from lynx_decode.errors import CodecError, LayoutError
 
 __all__ = ["DType", "Region", "LayerLayout", "CacheLayout", "FORMAT_VERSION", "ALIGN", "MAX_DESCRIPTOR_BYTES"]
 
@@ -82,7 +83,9 @@ class Region:
         }
 
 
-def _regions(scheme: Scheme, bits: int, heads: int, tokens: int, dim: int, k_group: int, v_group: int) -> tuple[Region, ...]:
+def _regions(
+    scheme: Scheme, bits: int, heads: int, tokens: int, dim: int, k_group: int, v_group: int
+) -> tuple[Region, ...]:
     n = heads * tokens * dim
     specs: list[tuple[str, Stream, DType, tuple[int, ...], int, int]] = []  # name, stream, dtype, shape, bits, size
 
@@ -104,8 +107,8 @@ def _regions(scheme: Scheme, bits: int, heads: int, tokens: int, dim: int, k_gro
             packed("v_data", Stream.ANCHOR, width)
         k_shape = (heads, -(-tokens // k_group), dim)
         v_shape = (heads, tokens, -(-dim // v_group))
-        for name, shape in (("k_scale", k_shape), ("k_zero", k_shape), ("v_scale", v_shape), ("v_zero", v_shape)):
-            specs.append((name, Stream.ANCHOR, DType.FLOAT16, shape, 16, 2 * shape[0] * shape[1] * shape[2]))
+        for name, grid in (("k_scale", k_shape), ("k_zero", k_shape), ("v_scale", v_shape), ("v_zero", v_shape)):
+            specs.append((name, Stream.ANCHOR, DType.FLOAT16, grid, 16, 2 * grid[0] * grid[1] * grid[2]))
         if scheme is Scheme.LYNX:
             packed("k_residual", Stream.RESIDUAL, 8 - bits)
             packed("v_residual", Stream.RESIDUAL, 8 - bits)
@@ -154,7 +157,10 @@ class LayerLayout:
         _int(tokens, "tokens", 1, MAX_TOKENS)
         _int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
         regions = _regions(config.scheme, config.bits, kv_heads, tokens, head_dim, config.k_group, config.v_group)
-        return cls(config.scheme, config.bits, config.split, kv_heads, tokens, head_dim, config.k_group, config.v_group, regions)
+        return cls(
+            config.scheme, config.bits, config.split, kv_heads, tokens, head_dim,
+            config.k_group, config.v_group, regions,
+        )
 
     @property
     def config(self) -> CodecConfig:
@@ -191,10 +197,13 @@ class LayerLayout:
         except CodecError as exc:
             raise LayoutError(str(exc)) from None
         if len(self.regions) != len(expected.regions):
-            raise LayoutError(f"{self.scheme.value} layer needs {len(expected.regions)} regions, descriptor has {len(self.regions)}")
+            raise LayoutError(
+                f"{self.scheme.value} layer needs {len(expected.regions)} regions, descriptor has {len(self.regions)}"
+            )
         for got, want in zip(self.regions, expected.regions):
             if got != want:
-                diff = [f for f in ("name", "stream", "offset", "size", "dtype", "shape", "bits") if getattr(got, f) != getattr(want, f)]
+                fields = ("name", "stream", "offset", "size", "dtype", "shape", "bits")
+                diff = [f for f in fields if getattr(got, f) != getattr(want, f)]
                 raise LayoutError(
                     f"region {got.name!r} is inconsistent with a {self.scheme.value} layer of shape {self.shape}, "
                     f"bits={self.bits}, groups=({self.k_group}, {self.v_group}): bad {', '.join(diff)} "
@@ -217,7 +226,9 @@ class LayerLayout:
     @classmethod
     def from_json(cls, obj: Any) -> LayerLayout:
         """Parse and validate one layer (``LayoutError`` on anything inconsistent)."""
-        d = _fields(obj, "layer", ("scheme", "bits", "split", "kv_heads", "tokens", "head_dim", "k_group", "v_group", "regions"))
+        d = _fields(
+            obj, "layer", ("scheme", "bits", "split", "kv_heads", "tokens", "head_dim", "k_group", "v_group", "regions")
+        )
         raw = d["regions"]
         if not isinstance(raw, list) or len(raw) > 16:
             raise LayoutError("layer regions must be a list of at most 16 regions")
@@ -305,14 +316,21 @@ class CacheLayout:
     def stream_size(self, stream: Stream) -> int:
         """Total bytes of the cache on ``stream``."""
         return max(
-            (off + layer.stream_size(s) for layer, offs in zip(self.layers, self.offsets) for s, off in offs if s is stream),
+            (
+                off + layer.stream_size(s)
+                for layer, offs in zip(self.layers, self.offsets)
+                for s, off in offs
+                if s is stream
+            ),
             default=0,
         )
 
     def validate(self) -> None:
         """Raise :class:`LayoutError` on a wrong version or misplaced/overlapping layers."""
         if self.version != FORMAT_VERSION:
-            raise LayoutError(f"layout version {self.version!r} is not supported (this build reads version {FORMAT_VERSION})")
+            raise LayoutError(
+                f"layout version {self.version!r} is not supported (this build reads version {FORMAT_VERSION})"
+            )
         if not 1 <= len(self.layers) <= MAX_LAYERS:
             raise LayoutError(f"a cache needs 1..{MAX_LAYERS} layers, got {len(self.layers)}")
         if len(self.offsets) != len(self.layers):
@@ -322,7 +340,10 @@ class CacheLayout:
             layer.validate()
             streams = tuple(s for s, _ in offs)
             if streams != layer.streams:
-                raise LayoutError(f"layer {i} has buffers on {[s.value for s in layer.streams]} but offsets for {[s.value for s in streams]}")
+                raise LayoutError(
+                    f"layer {i} has buffers on {[s.value for s in layer.streams]} "
+                    f"but offsets for {[s.value for s in streams]}"
+                )
             for stream, off in offs:
                 _int(off, f"layer {i} {stream.value} offset", 0, MAX_STREAM_BYTES)
                 if off % ALIGN:
@@ -330,18 +351,23 @@ class CacheLayout:
                 spans[stream].append((off, off + layer.stream_size(stream), i))
         for stream, items in spans.items():
             items.sort()
-            for (a0, a1, ia), (b0, _b1, ib) in zip(items, items[1:]):
+            for (a0, a1, ia), (b0, _b1, ib) in itertools.pairwise(items):
                 if b0 < a1:
-                    raise LayoutError(f"layers {ia} and {ib} overlap on stream {stream.value} ([{a0}, {a1}) and offset {b0})")
+                    raise LayoutError(
+                        f"layers {ia} and {ib} overlap on stream {stream.value} ([{a0}, {a1}) and offset {b0})"
+                    )
             if items and items[-1][1] > MAX_STREAM_BYTES:
-                raise LayoutError(f"stream {stream.value} would be {items[-1][1]} bytes, more than the {MAX_STREAM_BYTES} allowed")
+                raise LayoutError(
+                    f"stream {stream.value} would be {items[-1][1]} bytes, more than the {MAX_STREAM_BYTES} allowed"
+                )
 
     def to_bytes(self) -> bytes:
         obj = {
             "format": FORMAT_NAME,
             "version": self.version,
             "layers": [
-                {**layer.to_json(), "offsets": {s.value: off for s, off in offs}} for layer, offs in zip(self.layers, self.offsets)
+                {**layer.to_json(), "offsets": {s.value: off for s, off in offs}}
+                for layer, offs in zip(self.layers, self.offsets)
             ],
         }
         return json.dumps(obj, separators=(",", ":")).encode()
@@ -362,7 +388,9 @@ class CacheLayout:
             raise LayoutError(f"not a Lynx layout descriptor (format {d['format']!r})")
         version = d["version"]
         if isinstance(version, bool) or version != FORMAT_VERSION:
-            raise LayoutError(f"layout version {version!r} is not supported (this build reads version {FORMAT_VERSION})")
+            raise LayoutError(
+                f"layout version {version!r} is not supported (this build reads version {FORMAT_VERSION})"
+            )
         if not isinstance(d["layers"], list) or not 1 <= len(d["layers"]) <= MAX_LAYERS:
             raise LayoutError(f"layout layers must be a list of 1..{MAX_LAYERS} layers")
         layers, offsets = [], []

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from lynx_transport.errors import CodecError
+from lynx_decode.errors import CodecError
 
 __all__ = ["BLOCK", "packed_size", "pack", "unpack", "split", "merge"]
 
@@ -61,7 +61,9 @@ def unpack(packed: Any, n: int, width: int, xp: Any) -> Any:
     """Inverse of :func:`pack`: ``n`` uint8 values of ``width`` bits."""
     _check_host_order()
     if int(packed.size) != packed_size(n, width):
-        raise CodecError(f"packed stream has {packed.size} bytes, expected {packed_size(n, width)} for {n} values of {width} bits")
+        raise CodecError(
+            f"packed stream has {packed.size} bytes, expected {packed_size(n, width)} for {n} values of {width} bits"
+        )
     out = xp.empty(n, dtype=xp.uint8)
     shifts = (xp.arange(8, dtype=xp.uint64) * xp.uint64(width))[None, :, None]
     mask = xp.uint64((1 << width) - 1)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from lynx_decode.codec_config import Split
-from lynx_transport.errors import CodecError
+from lynx_decode.errors import CodecError
 
 __all__ = [
     "group_minmax_k",

@@ -5,10 +5,20 @@ Threads: the transport's callback thread runs :class:`KVAssembler` (dequantizes
 each landed region into the draft/full cache); :meth:`DecodeNode.run` runs the
 decode engine in the caller's thread, whose first model step starts as soon as
 the stream opens and waits inside each layer for that layer's K/V (its compute
-overlaps the transfer). One run at a time per node.
+overlaps the transfer). Several runs may go at once, from several threads (a
+load generator's requests): each has its own KV stream, cache buffers and
+engine; the node keeps one connection per prefill node for all of them.
 
-Metrics (DESIGN.md names): ``ttft_s``, ``ttfct_s`` and ``e2e_s`` count from the
-prefill node's ``t0_unix`` (sent in the KV header) on the shared wall clock.
+Transport: any :class:`~lynx_transport.seam.Transport` (default the real UCX
+one; ``lynx_transport.testing.MemoryTransport`` in tests). Timeouts: one
+:class:`~lynx_decode.timeouts.Timeouts`.
+
+Metrics (docs/design.md names): ``ttft_s``, ``ttfct_s`` and ``e2e_s`` count from the
+prefill node's ``t0_unix`` (sent in the KV header) on the shared wall clock: the
+single-request sweep's clock, which leaves the prefill node's queue and prefill
+out. Under load, the clock a user feels starts when this node sent its request:
+``ttft_from_request_s``, ``ttfct_from_request_s``, ``e2e_from_request_s``
+(``queue_s`` = ``t0`` - request time: queueing and prefill at the prefill node).
 """
 
 from __future__ import annotations
@@ -24,15 +34,18 @@ from typing import Any
 
 import numpy as np
 
-from lynx_decode.codec_config import Scheme
+from lynx_decode.codec_config import DEFAULT_ANCHOR_BITS, Scheme
+from lynx_decode.errors import DecodeError, PromptError, ServerBusyError
 from lynx_decode.events import Event, Tentative
 from lynx_decode.kvstream import KVAssembler, KVHeader, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
-from lynx_decode.request import KVRequest, PromptKind, parse_error_reply
+from lynx_decode.request import BUSY_PREFIX, KVRequest, PromptKind, parse_error_reply
 from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull, generate
-from lynx_transport import Lane, ReceivedRegion, ReceivePool, Receiver, ReceiveStream, TransportConfig, connect
-from lynx_transport.errors import DecodeError, LynxError, PromptError, StreamFailedError, TransportError
+from lynx_decode.timeouts import Timeouts
+from lynx_transport import Lane, ReceivedRegion, ReceivePool, ReceiveStream, TransportConfig
+from lynx_transport.errors import ClosedError, LynxError, StreamFailedError, TransportError
+from lynx_transport.seam import UCX, ReceiverCallbacks, Sender, Transport
 
 __all__ = ["DecodeNode", "RunResult"]
 
@@ -41,9 +54,19 @@ log = logging.getLogger("lynx_decode.decode")
 DEFAULT_POOL_BYTES = 512 << 20
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A run waiting for its KV stream: the future the stream's opening resolves, the
+    cache headroom it asked for, and the cache buffers taken for it (given back after)."""
+
+    future: cf.Future[KVAssembler]
+    headroom: int
+    buffers: list[tuple[tuple[str, KVShape, int], KVBuffers]] = dataclasses.field(default_factory=list)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunResult:
-    """One generation: the tokens, the text and the metrics (DESIGN.md names)."""
+    """One generation: the tokens, the text and the metrics (docs/design.md names)."""
 
     tokens: tuple[int, ...]
     text: str
@@ -55,27 +78,34 @@ class DecodeNode:
 
     ``host``: the address prefill nodes connect back to (127.0.0.1 unless the
     nodes sit in different network namespaces). ``pool_bytes``: the receive pool,
-    allocated once; it must hold one whole stream.
+    allocated once; it must hold one whole stream. ``timeouts``: every wait of
+    the node, its handshake and peer timeouts applied to ``config``.
+    ``transport``: how bytes move (default: UCX).
     """
 
     def __init__(self, model: CausalLM, *, host: str = "127.0.0.1",
                  pool_bytes: int = DEFAULT_POOL_BYTES, config: TransportConfig | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeouts: Timeouts | None = None, transport: Transport = UCX) -> None:
         self.model = model
-        self.timeout_s = timeout_s
-        self._transport_config = config
-        self._pending: dict[str, cf.Future[KVAssembler]] = {}
+        self.timeouts = timeouts if timeouts is not None else Timeouts()
+        self.timeout_s = self.timeouts.stream_s
+        self.transport = transport
+        self._transport_config = self.timeouts.transport(config)
+        self._pending: dict[str, _Pending] = {}
         self._assemblers: dict[int, KVAssembler] = {}
         self._lane_done: dict[int, dict[int, float]] = {}
         self._release_on_complete: set[int] = set()
-        self._kv_cache: dict[tuple[str, KVShape, int], KVBuffers] = {}
+        self._kv_free: dict[tuple[str, KVShape, int], list[KVBuffers]] = {}
+        self._conns: dict[tuple[str, int], Sender] = {}
         self._lock = threading.Lock()
+        self._conn_lock = threading.Lock()
         warm_up_codec()
-        self._receiver = Receiver(
-            ReceivePool(pool_bytes), host=host, config=config,
-            on_stream_open=self._on_open, on_region=self._on_region,
-            on_lane_complete=self._on_lane, on_stream_complete=self._on_complete,
-            on_stream_failed=self._on_failed)
+        self._receiver = transport.listen(
+            ReceivePool(pool_bytes), host=host, config=self._transport_config,
+            callbacks=ReceiverCallbacks(
+                on_stream_open=self._on_open, on_region=self._on_region,
+                on_lane_complete=self._on_lane, on_stream_complete=self._on_complete,
+                on_stream_failed=self._on_failed))
 
     @property
     def address(self) -> tuple[str, int]:
@@ -85,34 +115,43 @@ class DecodeNode:
     def _on_open(self, stream: ReceiveStream) -> None:
         error = parse_error_reply(stream.metadata)
         if error is not None:
-            request_id, message = error
+            refused_id, message = error
             self._release_on_complete.add(stream.stream_id)
             with self._lock:
-                future = self._pending.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(DecodeError(f"the prefill node refused the request: {message}"))
+                waiting = self._pending.pop(refused_id, None)
+            if waiting is not None and not waiting.future.done():
+                cls = ServerBusyError if message.startswith(BUSY_PREFIX) else DecodeError
+                waiting.future.set_exception(cls(f"the prefill node refused the request: {message}"))
             return
+        request_id = _request_id_of(stream)
+        with self._lock:
+            waiting = self._pending.get(request_id) if request_id else None
+        headroom = waiting.headroom if waiting is not None else 0
         try:
-            assembler = KVAssembler(stream, self.model.info, headroom=self._headroom,
-                                    allocate=self._buffers)
+            assembler = KVAssembler(
+                stream, self.model.info, headroom=headroom,
+                allocate=lambda name, shape, room: self._take_buffers(name, shape, room, waiting))
         except LynxError as exc:
             log.warning("rejecting KV stream %d from %s: %s", stream.stream_id, stream.peer, exc)
-            request_id = _request_id_of(stream)
-            stream.release()
             with self._lock:
-                future = self._pending.pop(request_id, None) if request_id else None
-            if future is not None and not future.done():
-                future.set_exception(exc)
+                rejected = self._pending.pop(request_id, None) if request_id else None
+            if rejected is not None and not rejected.future.done():
+                rejected.future.set_exception(exc)  # the waiting run hears why at once
+            try:  # the stream is still active: end it (the sender is told), never release it
+                stream.abandon(f"the decode node rejected the stream: {exc}")
+            except TransportError as abandon_exc:
+                log.warning("could not abandon stream %d: %s", stream.stream_id, abandon_exc)
             return
         with self._lock:
             self._assemblers[stream.stream_id] = assembler
             self._lane_done[stream.stream_id] = {}
-            future = self._pending.pop(assembler.header.request_id, None)
-        if future is None:
+            waiting = self._pending.pop(assembler.header.request_id, None)
+        if waiting is None:
             log.warning("KV stream %d answers no pending request; dropping it", stream.stream_id)
             assembler.fail(DecodeError("no request for this stream"))
+            stream.abandon("no pending request for this stream")
             return
-        future.set_result(assembler)
+        waiting.future.set_result(assembler)
 
     def _on_complete(self, stream: ReceiveStream) -> None:
         if stream.stream_id in self._release_on_complete:
@@ -135,18 +174,34 @@ class DecodeNode:
             assembler.on_failed(error)
 
     # -- cache buffers ------------------------------------------------------------------------
-    _headroom = 64
+    #: Free cache buffers kept per (name, shape, headroom) for the next runs.
+    KEEP_FREE = 2
 
-    def _buffers(self, name: str, shape: KVShape, headroom: int) -> KVBuffers:
-        """The ``name`` ("draft"/"full") cache buffers for ``shape``, reused across runs of
-        the same prompt length and pre-faulted when first made (see :meth:`prepare`)."""
+    def _take_buffers(self, name: str, shape: KVShape, headroom: int,
+                      owner: _Pending | None) -> KVBuffers:
+        """``name`` ("draft"/"full") cache buffers for ``shape``: a free pre-faulted set
+        when one is left from an earlier run (see :meth:`prepare`), else new ones.
+        Concurrent runs each get their own; :meth:`_give_back` returns them."""
         key = (name, shape, headroom)
-        kv = self._kv_cache.get(key)
+        with self._lock:
+            free = self._kv_free.get(key)
+            kv = free.pop() if free else None
         if kv is None:
-            self._kv_cache = {k: v for k, v in self._kv_cache.items() if k[0] != name}
-            kv = self._kv_cache[key] = KVBuffers(shape, headroom=headroom).prefault()
+            kv = KVBuffers(shape, headroom=headroom).prefault()
         kv.reset()
+        if owner is not None:
+            owner.buffers.append((key, kv))
         return kv
+
+    def _give_back(self, buffers: list[tuple[tuple[str, KVShape, int], KVBuffers]]) -> None:
+        with self._lock:
+            for key, kv in buffers:
+                # keep the buffers of the latest shape only (a new prompt length frees the rest)
+                for other in [k for k in self._kv_free if k[0] == key[0] and k != key]:
+                    del self._kv_free[other]
+                free = self._kv_free.setdefault(key, [])
+                if len(free) < self.KEEP_FREE:
+                    free.append(kv)
 
     def prepare(self, prompt_tokens: int, *, max_new_tokens: int = 32,
                 max_draft: int = DEFAULT_MAX_DRAFT) -> None:
@@ -155,16 +210,18 @@ class DecodeNode:
         faults of fresh memory are not counted in the time to first token."""
         headroom = max_new_tokens + max_draft + 2
         shape = self.model.info.kv_shape(prompt_tokens - 1)
-        for name in ("draft", "full"):
-            self._buffers(name, shape, headroom)
+        with self._lock:
+            ready = {name: bool(self._kv_free.get((name, shape, headroom))) for name in ("draft", "full")}
+        made = [((name, shape, headroom), KVBuffers(shape, headroom=headroom).prefault())
+                for name, have in ready.items() if not have]
+        self._give_back(made)
 
     # -- one run ---------------------------------------------------------------------------
 
     def run(self, server: tuple[str, int], prompt: str | list[int], *, scheme: Scheme,
-            max_new_tokens: int = 32, anchor_bits: int = 4, kind: PromptKind = "text",
+            max_new_tokens: int = 32, anchor_bits: int = DEFAULT_ANCHOR_BITS, kind: PromptKind = "text",
             bandwidth_gbps: float | None = None, max_draft: int = DEFAULT_MAX_DRAFT,
-            on_missing_residual: MissingFull = MissingFull.FAIL,
-            residual_timeout_s: float | None = None, hold_residual: bool = True,
+            on_missing_residual: MissingFull = MissingFull.FAIL, hold_residual: bool = True,
             on_event: Callable[[Event], None] | None = None) -> RunResult:
         """Request ``prompt``'s cache from ``server`` and decode ``max_new_tokens`` tokens.
 
@@ -174,7 +231,7 @@ class DecodeNode:
 
         A residual that never arrives (the stream failed after its anchors — a dead
         or silent prefill node is detected within the transport's peer timeout — or
-        ``residual_timeout_s`` passed once drafting started): ``MissingFull.FAIL``
+        the node's ``timeouts.residual_s`` passed once drafting started): ``MissingFull.FAIL``
         raises; ``MissingFull.UNVERIFIED`` finishes on the anchors and returns the
         tokens with ``metrics["verified"] = False`` (events: ``Unverified``).
 
@@ -197,18 +254,30 @@ class DecodeNode:
         hold = hold_residual and scheme is Scheme.LYNX and max_draft > 0
         request = KVRequest(request_id, scheme, anchor_bits, kind, self.address, bandwidth_gbps,
                             hold_residual=hold)
-        self._headroom = max_new_tokens + max_draft + 2
-        future: cf.Future[KVAssembler] = cf.Future()
+        waiting = _Pending(cf.Future(), max_new_tokens + max_draft + 2)
         with self._lock:
-            self._pending[request_id] = future
+            self._pending[request_id] = waiting
         try:
-            with connect(server, timeout=10.0, config=self._transport_config) as conn:
-                conn.send_stream([("prompt", np.frombuffer(payload, np.uint8), int(Lane.ANCHOR))],
-                                 metadata=request.to_metadata()).wait(self.timeout_s)
-            assembler = _result(future, self.timeout_s, "the KV stream did not open")
+            return self._run(server, request, payload, waiting, max_new_tokens=max_new_tokens,
+                             max_draft=max_draft, hold=hold, on_missing_residual=on_missing_residual,
+                             on_event=on_event)
         finally:
             with self._lock:
                 self._pending.pop(request_id, None)
+            self._give_back(waiting.buffers)
+
+    def _run(self, server: tuple[str, int], request: KVRequest, payload: bytes, waiting: _Pending, *,
+             max_new_tokens: int, max_draft: int, hold: bool, on_missing_residual: MissingFull,
+             on_event: Callable[[Event], None] | None) -> RunResult:
+        conn = self._connection(server)
+        requested_at = time.time()  # the clock a user under load feels starts here
+        try:
+            conn.send_stream([("prompt", np.frombuffer(payload, np.uint8), int(Lane.ANCHOR))],
+                             metadata=request.to_metadata()).wait(self.timeout_s)
+        except TransportError:
+            self._drop(server, conn)
+            raise
+        assembler = _result(waiting.future, self.timeout_s, "the KV stream did not open")
         stream = assembler.stream
         first_token: list[float] = []
 
@@ -228,7 +297,7 @@ class DecodeNode:
             config = DecodeConfig(max_new_tokens=max_new_tokens,
                                   max_draft=max_draft if assembler.speculative else 0,
                                   wait_timeout_s=self.timeout_s,
-                                  full_timeout_s=residual_timeout_s,
+                                  full_timeout_s=self.timeouts.residual_s,
                                   on_missing_full=on_missing_residual)
             # the first step starts now and waits inside each layer for its K/V
             gen = generate(self.model, ids, full=assembler.full, draft=assembler.draft,
@@ -249,9 +318,42 @@ class DecodeNode:
                 self._assemblers.pop(stream.stream_id, None)
                 lane_done = self._lane_done.pop(stream.stream_id, {})
         return RunResult(gen.tokens, self.model.detokenize(gen.tokens),
-                         _metrics(assembler, gen, lane_done, first_token))
+                         _metrics(assembler, gen, lane_done, first_token, requested_at))
+
+    def _connection(self, server: tuple[str, int]) -> Sender:
+        """The connection to ``server``, kept open for the next runs (one connect at a time)."""
+        with self._conn_lock:
+            conn = self._conns.get(server)
+            if conn is not None and conn.broken is None:
+                return conn
+            if conn is not None:
+                conn.close()
+            conn = self._conns[server] = self.transport.connect(
+                server, timeout=self.timeouts.connect_s, config=self._transport_config)
+            return conn
+
+    def _drop(self, server: tuple[str, int], conn: Sender) -> None:
+        with self._conn_lock:
+            if self._conns.get(server) is conn:
+                del self._conns[server]
+        conn.close()
 
     def close(self) -> None:
+        """Close the node: runs still waiting fail at once (``ClosedError``), streams in
+        flight fail, connections and the listener close."""
+        with self._lock:
+            waiting, self._pending = list(self._pending.values()), {}
+            assemblers = list(self._assemblers.values())
+        closed = ClosedError("the decode node was closed")
+        for w in waiting:
+            if not w.future.done():
+                w.future.set_exception(closed)
+        for assembler in assemblers:
+            assembler.fail(closed)
+        with self._conn_lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()
         self._receiver.close()
 
     def __enter__(self) -> DecodeNode:
@@ -283,7 +385,7 @@ def _request_id_of(stream: ReceiveStream) -> str | None:
 
 
 def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
-             first_token: list[float]) -> dict[str, Any]:
+             first_token: list[float], requested_at: float) -> dict[str, Any]:
     m = gen.metrics
     t0 = assembler.header.t0_unix
     lanes = {int(Lane.ANCHOR): "anchor", int(Lane.RESIDUAL): "residual"}
@@ -308,4 +410,11 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
         out[f"bytes_{name}"] = sum(r.nbytes for r in assembler.stream.regions if r.lane == lane)
         out[f"transfer_{name}_s"] = lane_done[lane] - t0 if lane in lane_done else None
     out["bytes_total"] = out["bytes_anchor"] + out["bytes_residual"]
+    # The clock a user under load feels: from the moment this node sent its request,
+    # so the prefill node's queue and prefill count (the *_s above start at t0).
+    queue_s = t0 - requested_at
+    out["queue_s"] = queue_s
+    for name in ("ttft", "ttfct", "e2e"):
+        value = out[f"{name}_s"]
+        out[f"{name}_from_request_s"] = None if value is None else value + queue_s
     return out

@@ -24,7 +24,6 @@ instead of yielding further events; tentative tokens seen before it are void.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = ["Tentative", "Committed", "Rollback", "Unverified", "Done", "DecodeMetrics", "Event"]
 
@@ -55,7 +54,7 @@ class Unverified:
 
 @dataclass(frozen=True)
 class DecodeMetrics:
-    """Per-run metrics, named as in DESIGN.md. Times are seconds from the
+    """Per-run metrics, named as in docs/design.md. Times are seconds from the
     caller's ``t0`` on the caller's clock. ``acceptance_rate`` is None when
     nothing was drafted (non-speculative schemes, or the full cache won the race).
     ``verified`` is False when the run finished on the anchor-only cache
@@ -84,4 +83,4 @@ class Done:
     tokens: tuple[int, ...]
 
 
-Event = Union[Tentative, Committed, Rollback, Unverified, Done]
+Event = Tentative | Committed | Rollback | Unverified | Done

@@ -40,12 +40,14 @@ from typing import Any
 import numpy as np
 
 from lynx_decode.codec import decode_layer, encode_layer
-from lynx_decode.codec_config import CodecConfig, Scheme, Stream
+from lynx_decode.codec_config import DEFAULT_ANCHOR_BITS, CodecConfig, Scheme, Stream
 from lynx_decode.codec_layout import CacheLayout, LayerLayout
+from lynx_decode.errors import DecodeError, LayoutError
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import ModelInfo, Prefill
-from lynx_transport import Connection, Lane, ReceivedRegion, ReceiveStream, SendStream
-from lynx_transport.errors import DecodeError, LayoutError, LynxError, TransportError
+from lynx_transport import Lane, ReceivedRegion, ReceiveStream, SendStream
+from lynx_transport.errors import LynxError, TransportError
+from lynx_transport.seam import Sender
 
 __all__ = ["KVHeader", "KV_FORMAT", "send_cache", "CacheSend", "KVAssembler", "region_name", "lane_of",
            "warm_up_codec"]
@@ -159,7 +161,7 @@ class KVHeader:
         return out
 
 
-def warm_up_codec(bits: int = 4) -> None:
+def warm_up_codec(bits: int = DEFAULT_ANCHOR_BITS) -> None:
     """Encode and decode a tiny layer in every scheme, so JIT compilation (or loading
     Numba's on-disk cache) happens at node start-up, not inside a timed run."""
     rng = np.random.default_rng(0)
@@ -212,10 +214,11 @@ class CacheSend:
                 self._keep.clear()
 
 
-def send_cache(conn: Connection, prefill: Prefill, model_id: str, config: CodecConfig, *,
+def send_cache(conn: Sender, prefill: Prefill, model_id: str, config: CodecConfig, *,
                request_id: str, t0_unix: float, timeout: float = 10.0,
                hold_residual: bool = False) -> CacheSend:
-    """Announce, encode and supply a prefilled cache on ``conn``; finish with
+    """Announce, encode and supply a prefilled cache on ``conn`` (any transport's
+    :class:`~lynx_transport.seam.Sender`); finish with
     :meth:`CacheSend.wait` (``prefill`` must stay unchanged until then).
 
     Anchors go first, layer by layer, as each is encoded. ``hold_residual``
@@ -303,6 +306,10 @@ class KVAssembler:
 
     # -- callbacks (transport callback thread) ---------------------------------------------
     def on_region(self, region: ReceivedRegion) -> None:
+        ended = self.stream.exception()
+        if ended is not None:  # a callback queued before the stream failed: its views are gone
+            self.fail(ended)
+            return
         try:
             self._on_region(region)
         except LynxError as exc:

@@ -23,6 +23,7 @@ evicted automatically; delete the directory to reclaim space.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import struct
@@ -34,10 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lynx_decode.errors import DecodeError
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM, Prefill
 from lynx_decode.model.store import cache_root
-from lynx_transport.errors import DecodeError
 
 __all__ = ["PrefillCache", "CachedPrefill"]
 
@@ -131,7 +132,7 @@ class PrefillCache:
         return CachedPrefill(fresh, hit=False)
 
 
-def _read(f, model_id: str, token_ids: Sequence[int], headroom: int) -> Prefill | None:  # type: ignore[no-untyped-def]
+def _read(f: io.BufferedReader, model_id: str, token_ids: Sequence[int], headroom: int) -> Prefill | None:
     if f.read(len(MAGIC)) != MAGIC:
         return None
     (size,) = _LEN.unpack(f.read(_LEN.size))
@@ -153,7 +154,7 @@ def _read(f, model_id: str, token_ids: Sequence[int], headroom: int) -> Prefill 
     crc = 0
     for dst in (kv.keys, kv.values):
         block = dst if dst.flags.c_contiguous else np.empty(dst.shape, dtype="<f4")
-        if f.readinto(memoryview(block).cast("B")) != half:
+        if f.readinto(block.data.cast("B")) != half:
             return None
         crc = zlib.crc32(block.data, crc)
         if block is not dst:

@@ -1,31 +1,63 @@
-"""The prefill node: takes prompts, prefills (or loads the cached prefill), encodes
+"""The prefill node: takes prompts, prefills (or finds the cached prefill), encodes
 the KV cache and streams it, anchor lane first, to the decode node that asked.
+Many requests, from many decode nodes, at once.
 
-Threads: :meth:`PrefillNode.serve` runs in the caller's thread and handles one
-request at a time (a prefill uses every core; requests queue in the transport).
-Each reply goes over a connection to the requester's ``reply_to`` address that
-is kept open for the next request from the same decode node.
+Threads (threads + futures, like the transport):
+
+* the listener's callback thread receives each request stream and *admits* it:
+  at most ``max_pending`` requests are admitted and not yet finished (queued,
+  prefilling or sending); past that the requester gets a ``busy`` error reply
+  at once (:class:`~lynx_decode.errors.ServerBusyError` at the decode node),
+  never an unbounded queue or a silent wait;
+* one prefill worker (``lynx-prefill``) runs the prefills in arrival order (a
+  prefill uses every core), each found first in a small in-memory cache of
+  recent prefills (``memory_cache`` entries), then in the on-disk
+  :class:`PrefillCache`;
+* each prefilled request is then sent by a thread of its own (``lynx-send``):
+  encoding its anchors layer by layer, its held residual once the decode node
+  releases it, and waiting for the confirmation, so one request's held
+  residual never delays another's; the transport's lanes order the bytes of
+  all of them (a new request's anchors go before older residuals);
+* replies (and busy/error replies) go over one connection per decode node
+  (its ``reply_to`` address), kept open for its next requests, all made through
+  ONE egress of the transport (``Transport.egress``): one send scheduler and
+  one link rate for every peer, so lane priority holds across requests and
+  decode nodes (a new request's anchors go before any older residual, whoever
+  it is for); a broken connection fails only that peer's requests and is
+  dropped (the peer table forgets it). :meth:`serve` runs in the caller's
+  thread until ``stop``.
 
 Clock: ``t0_unix`` (sent in the KV header) is taken once the cache is held in its
-native precision: after the prefill, or after loading it from the disk cache.
-Encoding, transfer, dequantization and the first decode step all come after it.
-Both nodes must share a wall clock (same host, or synchronised hosts).
+native precision: after the prefill, or after finding it in a cache. Encoding,
+transfer, dequantization and the first decode step all come after it. Under
+load the decode node also counts from the moment it sent its request (queueing
+included). Both nodes must share a wall clock (same host, or synchronised hosts).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
+import dataclasses
+import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from lynx_decode.codec_config import CodecConfig, Scheme
+from lynx_decode.errors import DecodeError
 from lynx_decode.kvstream import send_cache, warm_up_codec
-from lynx_decode.model.protocol import CausalLM
+from lynx_decode.model.protocol import CausalLM, Prefill
 from lynx_decode.prefill_cache import PrefillCache
-from lynx_decode.request import MAX_PROMPT_BYTES, KVRequest, error_reply
-from lynx_transport import Connection, Lane, Rate, ReceivePool, Receiver, ReceiveStream, TransportConfig, connect
-from lynx_transport.errors import DecodeError, LynxError, TransportError, TransportTimeoutError
+from lynx_decode.request import BUSY_PREFIX, MAX_PROMPT_BYTES, KVRequest, error_reply
+from lynx_decode.timeouts import Timeouts
+from lynx_transport import Lane, Rate, ReceivePool, ReceiveStream, TransportConfig
+from lynx_transport.errors import ConfigError, LynxError, TransportError
+from lynx_transport.seam import UCX, ReceiverCallbacks, Sender, Transport
 
 __all__ = ["PrefillNode"]
 
@@ -35,71 +67,171 @@ log = logging.getLogger("lynx_decode.prefill")
 BURST_BYTES = 1 << 20
 
 
+@dataclasses.dataclass
+class _Job:
+    number: int
+    request: KVRequest
+    prompt: bytes
+    peer: str
+    admitted_at: float
+
+
 class PrefillNode:
     """Serves KV caches of prompts to decode nodes (see the module docstring).
 
-    ``cache``: the on-disk prefill cache (None disables it).
-    ``stream_timeout_s``: bound on sending one cache (the receiver's confirmation).
+    ``cache``: the on-disk prefill cache (None disables it). ``memory_cache``:
+    recent prefills kept in memory (0 disables it). ``max_pending``: requests
+    admitted and not yet finished; more are refused as busy. ``link_rate``: the
+    node's egress rate, all its replies to every decode node together (``None``:
+    unshaped); a request's own ``bandwidth_gbps`` (the single-request sweep)
+    caps its decode node's connection. ``timeouts``: every wait of the node (``stream_s`` bounds
+    receiving a prompt and sending one cache up to the receiver's
+    confirmation), its handshake and peer timeouts applied to ``config``.
+    ``transport``: how bytes move (default: UCX).
     """
 
     def __init__(self, model: CausalLM, *, host: str = "127.0.0.1", port: int = 0,
                  cache: PrefillCache | None = None, config: TransportConfig | None = None,
-                 stream_timeout_s: float = 120.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 timeouts: Timeouts | None = None, transport: Transport = UCX,
+                 clock: Callable[[], float] = time.time, max_pending: int = 32,
+                 memory_cache: int = 4, link_rate: Rate | None = None) -> None:
+        if max_pending < 1:
+            raise ConfigError(f"max_pending must be >= 1, got {max_pending}")
+        if memory_cache < 0:
+            raise ConfigError(f"memory_cache must be >= 0, got {memory_cache}")
         self.model = model
         self.cache = cache
-        self.config = config if config is not None else TransportConfig()
-        self.stream_timeout_s = stream_timeout_s
+        self.timeouts = timeouts if timeouts is not None else Timeouts()
+        self.config = self.timeouts.transport(config)
+        self.stream_timeout_s = self.timeouts.stream_s
+        self.transport = transport
         self.clock = clock
-        warm_up_codec()
-        self._receiver = Receiver(ReceivePool(2 * MAX_PROMPT_BYTES), host=host, port=port,
-                                  config=self.config)
-        self._conns: dict[tuple[str, int], Connection] = {}
+        self.max_pending = max_pending
+        self.link_rate = link_rate
+        self._memory: collections.OrderedDict[tuple[int, ...], Prefill] = collections.OrderedDict()
+        self._memory_size = memory_cache
+        self._lock = threading.Lock()
+        self._conn_lock = threading.Lock()
+        self._conns: dict[tuple[str, int], Sender] = {}
+        self._connecting: dict[tuple[str, int], threading.Lock] = {}
+        self._pending = 0
+        self._numbers = itertools.count(1)
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._sends = cf.ThreadPoolExecutor(max_workers=max_pending, thread_name_prefix="lynx-send")
+        self._replies = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="lynx-reply")
+        self._closed = False
         self.served = 0
+        self.failed = 0
+        self.refused = 0
+        warm_up_codec()
+        self._egress = transport.egress(self.config)
+        if link_rate is not None:
+            self._egress.set_link_rate(link_rate)
+        self._worker = threading.Thread(target=self._prefill_loop, name="lynx-prefill", daemon=True)
+        self._worker.start()
+        #: where request streams land (each released once its prompt is read)
+        self.pool = ReceivePool(4 * MAX_PROMPT_BYTES)
+        self._receiver = transport.listen(
+            self.pool, host=host, port=port, config=self.config,
+            callbacks=ReceiverCallbacks(on_stream_complete=self._on_request))
 
     @property
     def address(self) -> tuple[str, int]:
         return self._receiver.address
 
-    def serve(self, stop: threading.Event, *, poll_s: float = 0.2) -> None:
-        """Handle requests until ``stop`` is set."""
-        while not stop.is_set():
-            try:
-                stream = self._receiver.next_stream(timeout=poll_s)
-            except TransportTimeoutError:
-                continue
-            self.handle(stream)
+    @property
+    def pending(self) -> int:
+        """Requests admitted and not yet finished (queued, prefilling or sending)."""
+        with self._lock:
+            return self._pending
 
-    def handle(self, stream: ReceiveStream) -> None:
-        """Answer one request stream; failures go back to the requester as an error reply."""
+    def peers(self) -> list[tuple[str, int]]:
+        """The decode nodes this node holds a connection to (its peer table)."""
+        with self._conn_lock:
+            return list(self._conns)
+
+    def serve(self, stop: threading.Event, *, poll_s: float = 0.2) -> None:
+        """Serve until ``stop`` is set (requests are handled on the node's own threads);
+        every ``poll_s`` forget the connections of decode nodes that went away."""
+        while not stop.wait(poll_s):
+            self.prune()
+
+    def prune(self) -> None:
+        """Close and forget every broken connection (a decode node that died or left)."""
+        with self._conn_lock:
+            gone = [(a, c) for a, c in self._conns.items() if c.broken is not None]
+            for address, _ in gone:
+                del self._conns[address]
+                self._connecting.pop(address, None)
+        for address, conn in gone:
+            log.info("decode node %s:%d went away: %s", *address, conn.broken)
+            conn.close()
+
+    # -- admission (the listener's callback thread) -------------------------------------------
+    def _on_request(self, stream: ReceiveStream) -> None:
         try:
             request = KVRequest.from_metadata(stream.metadata)
-        except DecodeError as exc:
-            log.warning("ignoring a malformed request from %s: %s", stream.peer, exc)
-            stream.release()
-            return
-        try:
-            stream.wait(timeout=self.stream_timeout_s)
             prompt = bytes(memoryview(stream.view("prompt")))
-        except (TransportError, KeyError) as exc:
-            log.warning("request %s from %s failed before its prompt arrived: %s",
-                        request.request_id, stream.peer, exc)
+        except (DecodeError, KeyError, TransportError) as exc:
+            log.warning("ignoring a malformed request from %s: %s", stream.peer, exc)
             return
         finally:
             stream.release()
-        try:
-            self._reply(request, prompt)
-            self.served += 1
-        except LynxError as exc:
-            log.warning("request %s failed: %s", request.request_id, exc)
-            self._send_error(request, str(exc))
+        with self._lock:
+            admit = not self._closed and self._pending < self.max_pending
+            if admit:
+                self._pending += 1
+            else:
+                self.refused += 1
+        if not admit:
+            log.warning("request %s from %s refused: busy (%d pending, limit %d)",
+                        request.request_id, stream.peer, self.max_pending, self.max_pending)
+            self._replies.submit(self._send_error, request,
+                                 f"{BUSY_PREFIX}the prefill node has {self.max_pending} requests "
+                                 "pending; try again later")
+            return
+        self._jobs.put(_Job(next(self._numbers), request, prompt, stream.peer, time.monotonic()))
+
+    # -- prefill (one worker) -----------------------------------------------------------------
+    def _prefill_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if self._closed:
+                self._finish(job, None, DecodeError("the prefill node closed"), tell=False)
+                continue
+            try:
+                ids = self._token_ids(job.request, job.prompt)
+                prefill, source = self._prefill(ids)
+            except LynxError as exc:
+                self._finish(job, None, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a failed prefill fails its request, not the node
+                self._finish(job, None, DecodeError(f"prefill failed: {type(exc).__name__}: {exc}"))
+                continue
+            self._sends.submit(self._send, job, prefill, source)
+
+    def _prefill(self, ids: list[int]) -> tuple[Prefill, str]:
+        key = tuple(ids)
+        with self._lock:
+            hit = self._memory.get(key)
+            if hit is not None:
+                self._memory.move_to_end(key)
+                return hit, "prefill in memory"
+        if self.cache is not None:
+            cached = self.cache.get_or_prefill(self.model, ids)
+            prefill, source = cached.prefill, "prefill cached" if cached.hit else "prefilled"
+        else:
+            prefill, source = self.model.prefill(ids), "prefilled"
+        if self._memory_size:
+            with self._lock:
+                self._memory[key] = prefill
+                while len(self._memory) > self._memory_size:
+                    self._memory.popitem(last=False)
+        return prefill, source
 
     def _token_ids(self, request: KVRequest, prompt: bytes) -> list[int]:
         if request.kind == "ids":
             if len(prompt) % 4:
                 raise DecodeError("an ids prompt must be int32 token ids")
-            import numpy as np  # noqa: PLC0415
-
             return [int(t) for t in np.frombuffer(prompt, dtype="<i4")]
         try:
             text = prompt.decode("utf-8")
@@ -107,56 +239,117 @@ class PrefillNode:
             raise DecodeError("a text prompt must be UTF-8") from None
         return self.model.chat_prompt(text) if request.kind == "chat" else self.model.tokenize(text)
 
-    def _reply(self, request: KVRequest, prompt: bytes) -> None:
-        ids = self._token_ids(request, prompt)
-        if self.cache is not None:
-            prefill = self.cache.get_or_prefill(self.model, ids).prefill
-        else:
-            prefill = self.model.prefill(ids)
+    # -- sending (one thread per request) -----------------------------------------------------
+    def _send(self, job: _Job, prefill: Prefill, source: str) -> None:
+        request = job.request
         t0 = self.clock()
-        conn = self._connection(request.reply_to)
-        conn.set_link_rate(None if request.bandwidth_gbps is None
-                           else Rate(request.bandwidth_gbps, BURST_BYTES))
-        codec = CodecConfig(scheme=request.scheme, bits=request.anchor_bits
-                            if request.scheme is Scheme.LYNX else CodecConfig().bits)
-        sending = send_cache(conn, prefill, self.model.info.model_id, codec,
-                             request_id=request.request_id, t0_unix=t0,
-                             hold_residual=request.hold_residual)
+        start = time.monotonic()
         try:
+            conn = self._connection(request.reply_to)
+            # the request's own cap on its decode node's connection (None: uncapped)
+            conn.set_link_rate(None if request.bandwidth_gbps is None
+                               else Rate(request.bandwidth_gbps, BURST_BYTES))
+            codec = CodecConfig(scheme=request.scheme, bits=request.anchor_bits
+                                if request.scheme is Scheme.LYNX else CodecConfig().bits)
+            sending = send_cache(conn, prefill, self.model.info.model_id, codec,
+                                 request_id=request.request_id, t0_unix=t0,
+                                 hold_residual=request.hold_residual)
             sending.wait(self.stream_timeout_s)
-        except TransportError:
-            self._drop(request.reply_to)
-            raise
+        except TransportError as exc:
+            self._drop(request.reply_to, conn_broken=True)
+            self._finish(job, None, exc, tell=False)
+            return
+        except LynxError as exc:
+            self._finish(job, None, exc)
+            return
+        regions = sending.stream.manifest.regions
+        anchor = sum(r.nbytes for r in regions if r.lane == int(Lane.ANCHOR))
+        residual = sum(r.nbytes for r in regions if r.lane != int(Lane.ANCHOR))
+        bits = f" b={request.anchor_bits}" if request.scheme is Scheme.LYNX else ""
+        sizes = f"anchor {anchor / 1e6:.1f} MB" + (f" + residual {residual / 1e6:.1f} MB" if residual else "")
+        self._finish(job, f"{len(prefill.token_ids)} tokens, {request.scheme.value}{bits}, {source}, "
+                          f"{sizes}, sent in {time.monotonic() - start:.2f} s "
+                          f"({start - job.admitted_at:.2f} s queued and prefilling)")
+
+    def _finish(self, job: _Job, summary: str | None, error: LynxError | None = None, *,
+                tell: bool = True) -> None:
+        """Log the request's line, tell its decode node if it failed, then count it
+        (so whoever sees the counts sees the line and the reply too)."""
+        where = f"request {job.number} from {job.peer}"
+        if error is None:
+            log.info("%s: %s", where, summary)
+        else:
+            log.warning("%s (%s) failed: %s", where, job.request.request_id, error)
+            if tell:
+                self._send_error(job.request, str(error))
+        with self._lock:
+            self._pending -= 1
+            if error is None:
+                self.served += 1
+            else:
+                self.failed += 1
 
     def _send_error(self, request: KVRequest, message: str) -> None:
         try:
             conn = self._connection(request.reply_to)
             # A manifest needs one region: the error travels as a one-byte stream.
             conn.send_stream([("error", b"\0", int(Lane.ANCHOR))],
-                             metadata=error_reply(request.request_id, message)).wait(10.0)
+                             metadata=error_reply(request.request_id, message)).wait(self.timeouts.stream_s)
         except TransportError as exc:
             log.warning("could not tell %s:%d that request %s failed: %s",
                         *request.reply_to, request.request_id, exc)
-            self._drop(request.reply_to)
+            self._drop(request.reply_to, conn_broken=True)
 
-    def _connection(self, address: tuple[str, int]) -> Connection:
-        conn = self._conns.get(address)
-        if conn is not None and conn.broken is None:
+    # -- connections (the peer table) ---------------------------------------------------------
+    def _connection(self, address: tuple[str, int]) -> Sender:
+        with self._conn_lock:  # one connect per address at a time; other peers never wait on it
+            lock = self._connecting.setdefault(address, threading.Lock())
+        with lock:
+            with self._conn_lock:
+                if self._closed:
+                    raise TransportError("the prefill node is closed")
+                conn = self._conns.get(address)
+                if conn is not None and conn.broken is None:
+                    return conn
+                stale = self._conns.pop(address, None)
+            if stale is not None:
+                stale.close()
+            conn = self._egress.connect(address, timeout=self.timeouts.connect_s)
+            with self._conn_lock:
+                closed = self._closed
+                if not closed:
+                    self._conns[address] = conn
+            if closed:
+                conn.close()
+                raise TransportError("the prefill node is closed")
             return conn
-        self._drop(address)
-        conn = connect(address, timeout=10.0, config=self.config)
-        self._conns[address] = conn
-        return conn
 
-    def _drop(self, address: tuple[str, int]) -> None:
-        conn = self._conns.pop(address, None)
-        if conn is not None:
-            conn.close()
+    def _drop(self, address: tuple[str, int], *, conn_broken: bool = False) -> None:
+        """Forget a decode node's connection once it broke (its other requests fail on their own)."""
+        with self._conn_lock:
+            conn = self._conns.get(address)
+            if conn is None or (conn_broken and conn.broken is None):
+                return  # healthy: the failure was this request's own
+            del self._conns[address]
+            self._connecting.pop(address, None)
+        conn.close()
 
     def close(self) -> None:
-        for address in list(self._conns):
-            self._drop(address)
+        """Stop admitting, fail what is in flight, close every connection and the listener."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._receiver.close()
+        self._jobs.put(None)
+        self._worker.join(self.timeouts.stream_s)
+        with self._conn_lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()  # fails the streams still sending; their threads end
+        self._egress.close()
+        self._sends.shutdown(wait=True)
+        self._replies.shutdown(wait=True)
 
     def __enter__(self) -> PrefillNode:
         return self

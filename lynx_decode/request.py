@@ -15,10 +15,11 @@ import json
 import math
 from typing import Any
 
-from lynx_decode.codec_config import Scheme
-from lynx_transport.errors import ConfigError, DecodeError
+from lynx_decode.codec_config import ANCHOR_BITS, MAX_BITS, MIN_BITS, Scheme
+from lynx_decode.errors import DecodeError
+from lynx_transport.errors import ConfigError
 
-__all__ = ["KVRequest", "PromptKind", "error_reply", "parse_error_reply", "MAX_PROMPT_BYTES"]
+__all__ = ["KVRequest", "PromptKind", "error_reply", "parse_error_reply", "MAX_PROMPT_BYTES", "BUSY_PREFIX"]
 
 REQUEST_FORMAT = "lynx-kv-request"
 ERROR_FORMAT = "lynx-kv-error"
@@ -54,8 +55,8 @@ class KVRequest:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ConfigError(f"prompt kind must be one of {_KINDS}, got {self.kind!r}")
-        if not 2 <= self.anchor_bits <= 6:
-            raise ConfigError(f"anchor bits must be in 2..6, got {self.anchor_bits}")
+        if self.anchor_bits not in ANCHOR_BITS:
+            raise ConfigError(f"anchor bits must be in {MIN_BITS}..{MAX_BITS}, got {self.anchor_bits}")
         bw = self.bandwidth_gbps
         if bw is not None and not (bw > 0 and math.isfinite(bw)):
             raise ConfigError(f"bandwidth must be a positive number of Gbit/s, got {bw}")
@@ -90,6 +91,11 @@ class KVRequest:
                        None if bw is None else float(bw), hold)
         except (KeyError, TypeError, ValueError) as exc:
             raise DecodeError(f"request field is missing or invalid: {exc}") from None
+
+
+#: An error reply whose message starts with this says the prefill node is at its
+#: admission limit (the decode node raises ``ServerBusyError``): retry later.
+BUSY_PREFIX = "busy: "
 
 
 def error_reply(request_id: str, message: str) -> bytes:

@@ -32,7 +32,7 @@ on the anchor-only cache and reports every token as :class:`Unverified`
 (``metrics.verified`` False) — never as committed.
 
 Committed tokens equal plain greedy decoding on the full cache by construction
-(up to fp32 rounding between a batched and a one-token pass; DESIGN.md: exact in
+(up to fp32 rounding between a batched and a one-token pass; docs/design.md: exact in
 all measured runs in fp32, not in bf16). With no draft future, or when the full
 cache is ready before the first draft step, this is plain greedy decoding.
 """
@@ -47,10 +47,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lynx_decode.errors import DecodeError, PromptError
 from lynx_decode.events import Committed, DecodeMetrics, Done, Event, Rollback, Tentative, Unverified
 from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.protocol import CausalLM, LMCache
-from lynx_transport.errors import DecodeError, LynxError, PromptError
+from lynx_transport.errors import LynxError
 
 __all__ = ["DecodeConfig", "Generation", "MissingFull", "DEFAULT_MAX_DRAFT", "decode_events",
            "generate", "ready"]

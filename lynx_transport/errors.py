@@ -1,9 +1,10 @@
-"""The one exception tree of Lynx.
+"""The root of Lynx's exception tree, and the transport's branch of it.
 
-Every error Lynx raises derives from :class:`LynxError`. The transport layer
-owns the root (it is the bottom layer; everything above may import it)::
+Every error Lynx raises derives from :class:`LynxError`. The transport is the
+bottom layer, so the root lives here; each layer defines its own branch in its
+own ``errors`` module and everything above may import it::
 
-    LynxError
+    LynxError                           lynx_transport.errors
     ├── TransportError                  lynx_transport: moving bytes
     │   ├── ConnectError                nobody listening, handshake refused
     │   │   └── AuthenticationError     wrong or missing shared secret
@@ -14,20 +15,20 @@ owns the root (it is the bottom layer; everything above may import it)::
     │   ├── PoolExhaustedError          the receive pool cannot hold a stream
     │   ├── ClosedError                 the object was closed by its owner
     │   ├── StreamFailedError           a stream ended failed (carries the reason)
-    │   ├── StreamCancelledError        a stream ended cancelled (by its sender)
-    │   └── LinkError                   tc / network-namespace emulation failed
-    ├── CodecError                      lynx_decode: format and layout
+    │   └── StreamCancelledError        a stream ended cancelled (by its sender)
+    ├── BackendError                    a requested backend (CuPy, Numba) is unavailable
+    ├── ConfigError                     bad user arguments (CLI, configs), any layer
+    ├── CodecError                      lynx_decode.errors: format and layout
     │   └── LayoutError                 a layout descriptor is inconsistent
-    ├── BackendError                    a requested backend is unavailable
-    ├── DecodeError                     lynx_decode: model and generation
+    ├── DecodeError                     lynx_decode.errors: model and generation
     │   ├── ModelError                  the model cannot be found or loaded
     │   └── PromptError                 the prompt does not fit the model
-    └── ConfigError                     bad user arguments (CLI, configs)
+    └── LinkError                       lynx_bench.errors: tc / namespace emulation
 
-Backend exceptions (ucxx, OSError, ...) are translated into this tree in exactly
-one place per backend (``raise Mapped(...) from exc``). The decode-side classes
-live here too so that there is a single root; :mod:`lynx_decode.errors`
-re-exports them.
+``BackendError`` and ``ConfigError`` sit at the root because every layer raises
+them (the receive pool asks for CuPy as the codec does). Backend exceptions
+(ucxx, OSError, ...) are translated into this tree in exactly one place per
+backend (``raise Mapped(...) from exc``).
 """
 
 from __future__ import annotations
@@ -45,13 +46,7 @@ __all__ = [
     "ClosedError",
     "StreamFailedError",
     "StreamCancelledError",
-    "LinkError",
-    "CodecError",
-    "LayoutError",
     "BackendError",
-    "DecodeError",
-    "ModelError",
-    "PromptError",
     "ConfigError",
 ]
 
@@ -108,32 +103,8 @@ class StreamCancelledError(TransportError):
     """A stream ended in the cancelled state (its sender abandoned it)."""
 
 
-class LinkError(TransportError):
-    """Link emulation (network namespaces, tc) could not be set up or torn down."""
-
-
-class CodecError(LynxError):
-    """Bad input to the KV codec (dtype, shape, contiguity, bits)."""
-
-
-class LayoutError(CodecError):
-    """A layout descriptor is malformed or inconsistent."""
-
-
 class BackendError(LynxError):
     """A requested compute backend (numba, cupy) is unavailable."""
-
-
-class DecodeError(LynxError):
-    """Speculative decoding or the model adapter failed."""
-
-
-class ModelError(DecodeError):
-    """The model could not be found or loaded."""
-
-
-class PromptError(DecodeError):
-    """The prompt is empty or does not fit the model's context window."""
 
 
 class ConfigError(LynxError, ValueError):

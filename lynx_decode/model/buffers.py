@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lynx_transport.errors import DecodeError
+from lynx_decode.errors import DecodeError
 
 __all__ = ["KVShape", "KVBuffers"]
 

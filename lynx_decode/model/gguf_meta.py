@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from lynx_transport.errors import ModelError
+from lynx_decode.errors import ModelError
 
 __all__ = ["gguf_value", "gguf_context_length"]
 

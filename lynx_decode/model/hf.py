@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lynx_decode.errors import DecodeError, ModelError, PromptError
 from lynx_decode.model import attention
 from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.protocol import ModelInfo, Prefill
@@ -52,7 +53,6 @@ from lynx_decode.model.store import (
     directory_model_id,
     quiet_progress,
 )
-from lynx_transport.errors import DecodeError, ModelError, PromptError
 
 if TYPE_CHECKING:
     import torch
@@ -184,7 +184,7 @@ class HFCausalLM:
             raise DecodeError(f"KV layers {kv.missing_layers()} have not been written")
         return SlabCache(kv, length=shape.tokens, wait=wait)
 
-    def forward(self, cache: SlabCache, token_ids: Sequence[int]) -> np.ndarray:  # type: ignore[override]
+    def forward(self, cache: SlabCache, token_ids: Sequence[int]) -> np.ndarray:
         if not isinstance(cache, SlabCache):
             raise DecodeError(f"HFCausalLM.forward needs a cache made by cache_from, "
                               f"got {type(cache).__name__}")
@@ -276,7 +276,7 @@ class SlabCache:
                                 torch.from_numpy(kv.storage_values[i])[None], length,
                                 None if wait is None else functools.partial(self._wait_layer, i))
             for i in range(kv.shape.num_layers)]
-        self._layers = self.hf_cache.layers
+        self._layers: list[Any] = self.hf_cache.layers  # _SlabLayer is built at run time: untyped
 
     @property
     def num_tokens(self) -> int:
@@ -313,7 +313,7 @@ def _slab_layer_class() -> type:
     import torch  # noqa: PLC0415
     from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
 
-    class _SlabLayer(DynamicLayer):  # type: ignore[misc, valid-type]
+    class _SlabLayer(DynamicLayer):
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
                      wait: Callable[[], None] | None = None) -> None:
             super().__init__()
@@ -340,12 +340,14 @@ def _slab_layer_class() -> type:
             self.k_slab[:, :, self.length:end] = key_states
             self.v_slab[:, :, self.length:end] = value_states
             self.set_length(end)
+            assert self.keys is not None and self.values is not None  # set by set_length
             return self.keys, self.values
 
         def _grow(self, capacity: int) -> None:
             b, h, _, d = self.k_slab.shape
             keys = torch.empty((b, h, capacity, d), dtype=self.k_slab.dtype)
             values = torch.empty((b, h, capacity, d), dtype=self.v_slab.dtype)
+            assert self.keys is not None and self.values is not None  # set by set_length
             keys[:, :, :self.length] = self.keys
             values[:, :, :self.length] = self.values
             self.k_slab, self.v_slab, self.grew = keys, values, True

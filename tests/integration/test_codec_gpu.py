@@ -44,7 +44,8 @@ def _same(a, b) -> None:
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.scheme.value}-b{c.bits}-{c.split.value}-g{c.k_group}x{c.v_group}")
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda c: f"{c.scheme.value}-b{c.bits}-{c.split.value}-g{c.k_group}x{c.v_group}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_cupy_matches_reference_byte_for_byte(config: CodecConfig, shape, dtype) -> None:
@@ -65,12 +66,14 @@ def test_cupy_matches_reference_byte_for_byte(config: CodecConfig, shape, dtype)
     for res in [None] if residual is None else [None, residual]:
         for out_dtype in (np.float32, np.float16):
             want = decode_layer(ref.layout, a, res, dtype=out_dtype, backend=Backend.NUMPY)
-            got = decode_layer(ref.layout, cupy.asarray(a), None if res is None else cupy.asarray(res), dtype=out_dtype, backend=Backend.CUPY)
+            on_gpu = None if res is None else cupy.asarray(res)
+            got = decode_layer(ref.layout, cupy.asarray(a), on_gpu, dtype=out_dtype, backend=Backend.CUPY)
             for g, w in zip(got, want):
                 _same(g, w)
     if config.scheme in (Scheme.INT8, Scheme.LYNX):
         d_res = None if residual is None else cupy.asarray(residual)
-        for g, w in zip(int8_codes(ref.layout, cupy.asarray(a), d_res), int8_codes(ref.layout, a, residual, backend=Backend.NUMPY)):
+        want_codes = int8_codes(ref.layout, a, residual, backend=Backend.NUMPY)
+        for g, w in zip(int8_codes(ref.layout, cupy.asarray(a), d_res), want_codes):
             _same(g, w)
 
 
@@ -81,9 +84,10 @@ def test_cupy_decodes_into_device_out_arrays() -> None:
     enc = encode_layer(cupy.asarray(k), cupy.asarray(v))
     out_k = cupy.empty((3, 300, 64), cupy.float32)
     out_v = cupy.empty((3, 300, 64), cupy.float32)
-    got_k, got_v = decode_layer(enc.layout, enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL], out_k=out_k, out_v=out_v)
+    a, r = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+    got_k, got_v = decode_layer(enc.layout, a, r, out_k=out_k, out_v=out_v)
     assert got_k is out_k and got_v is out_v
-    want_k, _ = decode_layer(enc.layout, cupy.asnumpy(enc.buffers[Stream.ANCHOR]), cupy.asnumpy(enc.buffers[Stream.RESIDUAL]), backend=Backend.NUMPY)
+    want_k, _ = decode_layer(enc.layout, cupy.asnumpy(a), cupy.asnumpy(r), backend=Backend.NUMPY)
     _same(out_k, want_k)
 
 

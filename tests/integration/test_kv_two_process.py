@@ -15,9 +15,11 @@ import pytest
 from lynx_bench.workload import filler_prose, passkey_prompt
 from lynx_decode.codec_config import Scheme
 from lynx_decode.decode_node import DecodeNode
+from lynx_decode.errors import DecodeError, PromptError
 from lynx_decode.events import Committed, Event, Rollback, Tentative, Unverified
 from lynx_decode.speculative import MissingFull
-from lynx_transport.errors import DecodeError, LynxError, PromptError
+from lynx_decode.timeouts import Timeouts
+from lynx_transport.errors import LynxError
 
 from .nodes import serve_process
 
@@ -43,7 +45,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def node(model):
-    with DecodeNode(model, timeout_s=120.0) as n:
+    with DecodeNode(model, timeouts=Timeouts(stream_s=120.0)) as n:
         yield n
 
 

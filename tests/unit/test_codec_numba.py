@@ -38,13 +38,15 @@ def test_numba_matches_reference_byte_for_byte(case) -> None:
         heads, tokens, dim = ref.layout.shape
         for backend in (Backend.NUMPY, Backend.NUMBA):
             store = np.full((2, heads, tokens + 3, dim), np.float32(7.0))
-            got = decode_layer(ref.layout, anchor, res, out_k=store[0, :, :tokens], out_v=store[1, :, :tokens], backend=backend)
+            got = decode_layer(ref.layout, anchor, res, out_k=store[0, :, :tokens], out_v=store[1, :, :tokens],
+                               backend=backend)
             want = decode_layer(ref.layout, anchor, res, backend=Backend.NUMPY)
             for g, w in zip(got, want):
                 _same_bits(np.ascontiguousarray(g), w)
             assert (store[:, :, tokens:] == np.float32(7.0)).all(), "headroom was written"
     if case.config.scheme in (Scheme.INT8, Scheme.LYNX):
-        for g, w in zip(int8_codes(ref.layout, anchor, residual, backend=Backend.NUMBA), int8_codes(ref.layout, anchor, residual, backend=Backend.NUMPY)):
+        want_codes = int8_codes(ref.layout, anchor, residual, backend=Backend.NUMPY)
+        for g, w in zip(int8_codes(ref.layout, anchor, residual, backend=Backend.NUMBA), want_codes):
             _same_bits(g, w)
 
 

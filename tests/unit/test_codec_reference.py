@@ -61,8 +61,10 @@ def _expanded(layout: LayerLayout, anchor: np.ndarray, name: str) -> tuple[np.nd
         return anchor[reg.offset : reg.offset + reg.size].view(np.float16).reshape(reg.shape).astype(np.float32)
 
     if name == "k":
-        return qt.expand_k(region("scale"), layout.k_group, layout.tokens, np), qt.expand_k(region("zero"), layout.k_group, layout.tokens, np)
-    return qt.expand_v(region("scale"), layout.v_group, layout.head_dim, np), qt.expand_v(region("zero"), layout.v_group, layout.head_dim, np)
+        return (qt.expand_k(region("scale"), layout.k_group, layout.tokens, np),
+                qt.expand_k(region("zero"), layout.k_group, layout.tokens, np))
+    return (qt.expand_v(region("scale"), layout.v_group, layout.head_dim, np),
+            qt.expand_v(region("zero"), layout.v_group, layout.head_dim, np))
 
 
 def _slack(x: np.ndarray, zero: np.ndarray, scale: np.ndarray, levels: int) -> np.ndarray:
@@ -102,16 +104,20 @@ def test_int4_error_bound(case) -> None:
 def test_anchor_plus_residual_is_exactly_int8(case) -> None:
     k, v = case.inputs()
     lynx = encode_layer(k, v, case.config, backend=Backend.NUMPY)
-    int8 = encode_layer(k, v, CodecConfig(Scheme.INT8, case.config.bits, case.config.k_group, case.config.v_group, case.config.split), backend=Backend.NUMPY)
+    c = case.config
+    int8 = encode_layer(k, v, CodecConfig(Scheme.INT8, c.bits, c.k_group, c.v_group, c.split), backend=Backend.NUMPY)
     a, r = lynx.buffers[Stream.ANCHOR], lynx.buffers[Stream.RESIDUAL]
-    for got, want in zip(int8_codes(lynx.layout, a, r, backend=Backend.NUMPY), int8_codes(int8.layout, int8.buffers[Stream.ANCHOR], backend=Backend.NUMPY)):
+    a8 = int8.buffers[Stream.ANCHOR]
+    for got, want in zip(int8_codes(lynx.layout, a, r, backend=Backend.NUMPY),
+                         int8_codes(int8.layout, a8, backend=Backend.NUMPY)):
         np.testing.assert_array_equal(got, want)
     # merge(anchor, residual) of the packed regions is the INT8 codes, bit for bit
-    for name, want in zip("kv", int8_codes(int8.layout, int8.buffers[Stream.ANCHOR], backend=Backend.NUMPY)):
+    for name, want in zip("kv", int8_codes(int8.layout, a8, backend=Backend.NUMPY)):
         ra, rr = lynx.layout.region(f"{name}_data"), lynx.layout.region(f"{name}_residual")
-        merged = pk.merge(a[ra.offset : ra.offset + ra.size], r[rr.offset : rr.offset + rr.size], want.size, case.config.bits, np)
+        merged = pk.merge(a[ra.offset : ra.offset + ra.size], r[rr.offset : rr.offset + rr.size], want.size, c.bits, np)
         np.testing.assert_array_equal(merged.reshape(want.shape), want)
-    for got, want in zip(decode_layer(lynx.layout, a, r, backend=Backend.NUMPY), decode_layer(int8.layout, int8.buffers[Stream.ANCHOR], backend=Backend.NUMPY)):
+    for got, want in zip(decode_layer(lynx.layout, a, r, backend=Backend.NUMPY),
+                         decode_layer(int8.layout, a8, backend=Backend.NUMPY)):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 

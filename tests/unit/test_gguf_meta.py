@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from lynx_decode.errors import ModelError
 from lynx_decode.model.gguf_meta import gguf_context_length, gguf_value
-from lynx_transport.errors import ModelError
 
 
 def _s(text: str) -> bytes:

@@ -57,7 +57,8 @@ def test_fp16_conversions_match_numpy() -> None:
     np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
     centres = want[~nan].view(np.uint32).astype(np.int64)
     near = (centres[:, None] + np.arange(-4, 5)[None, :] * (1 << 12)).ravel()  # ties and neighbours (normal range)
-    bits = np.concatenate([np.arange(0, 1 << 32, 97, dtype=np.int64), near[(near >= 0) & (near < 1 << 32)]]).astype(np.uint32)
+    sweep = np.arange(0, 1 << 32, 97, dtype=np.int64)
+    bits = np.concatenate([sweep, near[(near >= 0) & (near < 1 << 32)]]).astype(np.uint32)
     x = bits.view(np.float32)
     x = x[~np.isnan(x)]
     out = np.empty(x.size, np.uint16)

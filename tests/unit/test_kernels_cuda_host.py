@@ -33,11 +33,13 @@ _KERNELS = {
     "lynx_pack": ("const u64 *a0, u64 *a1, long long a2, int a3", "a0, a1, a2, a3"),
     "lynx_unpack": ("const u64 *a0, u64 *a1, long long a2, int a3", "a0, a1, a2, a3"),
     "lynx_quantize": (
-        "const float *a0, const float *a1, const float *a2, u8 *a3, int a4, int a5, int a6, int a7, int a8, float a9, long long a10",
+        "const float *a0, const float *a1, const float *a2, u8 *a3, int a4, int a5, int a6, int a7, int a8, float a9, "
+        "long long a10",
         "a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10",
     ),
     "lynx_dequant": (
-        "const u8 *a0, float a1, float a2, const float *a3, const float *a4, float *a5, int a6, int a7, int a8, int a9, int a10, long long a11",
+        "const u8 *a0, float a1, float a2, const float *a3, const float *a4, float *a5, int a6, int a7, int a8, "
+        "int a9, int a10, long long a11",
         "a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11",
     ),
 }
@@ -55,7 +57,8 @@ def host_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
         src.append(f"    for (long long t = 0; t < threads; ++t) {name}_at(t, {args});")
         src.append("}")
     (tmp / "host.cu").write_text("\n".join(src) + "\n")
-    cmd = [nvcc, "-std=c++17", "-O1", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off", "-o", str(tmp / "host.so"), str(tmp / "host.cu")]
+    cmd = [nvcc, "-std=c++17", "-O1", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off",
+           "-o", str(tmp / "host.so"), str(tmp / "host.cu")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, f"nvcc failed:\n{proc.stderr}"
     return ctypes.CDLL(str(tmp / "host.so"))

@@ -9,11 +9,12 @@ import pytest
 
 from lynx_decode.codec_config import CodecConfig, Scheme, Stream
 from lynx_decode.codec_layout import CacheLayout, LayerLayout
+from lynx_decode.errors import DecodeError, LayoutError
 from lynx_decode.kvstream import KVHeader, region_name
 from lynx_decode.model.protocol import ModelInfo
 from lynx_decode.request import KVRequest, error_reply, parse_error_reply
 from lynx_transport import Lane
-from lynx_transport.errors import ConfigError, DecodeError, LayoutError
+from lynx_transport.errors import ConfigError
 
 INFO = ModelInfo("m", num_layers=3, kv_heads=2, head_dim=16, max_positions=512,
                  vocab_size=100, eos_token_ids=frozenset({0}))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lynx_decode.codec_config import CodecConfig, Scheme, Split, Stream
 from lynx_decode.codec_layout import ALIGN, CacheLayout, LayerLayout
-from lynx_transport.errors import CodecError, LayoutError
+from lynx_decode.errors import CodecError, LayoutError
 
 configs = st.builds(
     CodecConfig,
@@ -43,7 +43,8 @@ def test_round_trip(items: list[LayerLayout]) -> None:
         for stream in layer.streams:
             assert cache.offset(i, stream) % ALIGN == 0
     for stream in Stream:
-        ends = [cache.offset(i, stream) + l.stream_size(stream) for i, l in enumerate(cache.layers) if stream in l.streams]
+        ends = [cache.offset(i, stream) + layer.stream_size(stream)
+                for i, layer in enumerate(cache.layers) if stream in layer.streams]
         assert cache.stream_size(stream) == max(ends, default=0)
 
 
@@ -112,14 +113,16 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("path", "value", "needle"), BAD, ids=[f"{'.'.join(map(str, p))}={v!r:.20}" for p, v, _ in BAD])
+@pytest.mark.parametrize(("path", "value", "needle"), BAD,
+                         ids=[f"{'.'.join(map(str, p))}={v!r:.20}" for p, v, _ in BAD])
 def test_corrupted_fields_are_rejected(path: list, value, needle: str) -> None:
     data = _mutate(path, value, _cache().to_bytes())
     with pytest.raises(LayoutError, match=needle):
         CacheLayout.from_bytes(data)
 
 
-@pytest.mark.parametrize("data", [b"", b"{", b"\xff\xfe", b"[]", b"null", b'{"format":"lynx-kv-layout"}', b"[" * 100000])
+@pytest.mark.parametrize("data", [b"", b"{", b"\xff\xfe", b"[]", b"null", b'{"format":"lynx-kv-layout"}',
+                                  b"[" * 100000])
 def test_garbage_is_rejected(data: bytes) -> None:
     with pytest.raises(LayoutError):
         CacheLayout.from_bytes(data)

@@ -22,7 +22,7 @@ names = st.text(min_size=1, max_size=20).filter(lambda s: len(s.encode()) <= 256
                              min_size=1, max_size=10),
        metadata=st.binary(max_size=200), stream_id=st.integers(0, (1 << 64) - 1))
 def test_round_trip(specs: dict, metadata: bytes, stream_id: int) -> None:
-    m = Manifest(stream_id, 1 << 20, tuple(RegionSpec(n, s, l) for n, (s, l) in specs.items()),
+    m = Manifest(stream_id, 1 << 20, tuple(RegionSpec(n, s, lane) for n, (s, lane) in specs.items()),
                  metadata)
     assert decode_manifest(encode_manifest(m, LIMITS), LIMITS) == m
 

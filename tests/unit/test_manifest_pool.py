@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -54,7 +56,7 @@ def test_random_alloc_free_never_overlaps_and_coalesces(ops: list) -> None:
             continue
         live.extend(zip(offs, sizes))
         spans = sorted((o, o + max(s, 1)) for o, s in live)
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
         assert all(o >= 0 and e <= pool.nbytes for o, e in spans)
     for off, size in live:
         pool.release(off, size)

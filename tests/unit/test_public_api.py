@@ -7,6 +7,9 @@ import pytest
 
 import lynx_transport.errors as errors
 
+#: Each layer's own errors module (its branch of the one tree).
+ERROR_MODULES = ["lynx_transport.errors", "lynx_decode.errors", "lynx_bench.errors"]
+
 PACKAGES = ["lynx_transport", "lynx_decode", "lynx_kernels", "lynx_bench"]
 
 
@@ -18,10 +21,29 @@ def test_all_is_exactly_public_namespace(name: str) -> None:
     assert set(module.__all__) == public - submodules
 
 
-def test_every_error_derives_from_one_root() -> None:
+@pytest.mark.parametrize("name", ERROR_MODULES)
+def test_every_error_derives_from_one_root(name: str) -> None:
+    module = importlib.import_module(name)
+    for error in module.__all__:
+        cls = getattr(module, error)
+        assert issubclass(cls, errors.LynxError), f"{name}.{error}"
+
+
+def test_errors_are_defined_in_the_layer_that_raises_them() -> None:
+    """The codec's and the model's errors in lynx_decode, the link's in lynx_bench;
+    the transport's module keeps only the root, the transport's branch and the
+    root-level errors every layer raises."""
+    from lynx_bench.errors import LinkError
+    from lynx_decode import errors as decode
+
+    for cls in (decode.CodecError, decode.LayoutError, decode.DecodeError, decode.ModelError,
+                decode.PromptError):
+        assert cls.__module__ == "lynx_decode.errors", cls
+    assert LinkError.__module__ == "lynx_bench.errors"
     for name in errors.__all__:
         cls = getattr(errors, name)
-        assert issubclass(cls, errors.LynxError), name
+        assert cls is errors.LynxError or issubclass(cls, errors.TransportError) \
+            or cls in (errors.BackendError, errors.ConfigError), name
 
 
 def test_no_top_level_kernels_package() -> None:

@@ -11,88 +11,18 @@ from __future__ import annotations
 import concurrent.futures as cf
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lynx_decode.errors import DecodeError, PromptError
 from lynx_decode.events import Committed, Done, Event, Rollback, Tentative
-from lynx_decode.model import KVBuffers, KVShape, ModelInfo, Prefill
+from lynx_decode.model import KVBuffers, KVShape
 from lynx_decode.speculative import DecodeConfig, decode_events, generate, ready
-from lynx_transport.errors import DecodeError, PromptError
-from tests._speculative_helpers import LandsWhenAwaited
-
-VOCAB = 40
-EOS = 0
-STEP_S = 0.07
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class ToyCache:
-    def __init__(self, values: list[float]) -> None:
-        self.values = values
-        self.pending: tuple[KVBuffers, Callable[[int], None] | None] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.values)
-
-    def crop(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= len(self.values):
-            raise DecodeError("bad crop")
-        del self.values[num_tokens:]
-
-
-class ToyLM:
-    """Next token = bucket of the sum of everything cached (K values). A draft
-    cache offset by ``delta`` agrees with the full cache while both sums fall
-    in the same bucket, so acceptance varies with the prompt and the offset."""
-
-    def __init__(self, eos: bool = True, max_positions: int = 4096,
-                 clock: Clock | None = None) -> None:
-        self.info = ModelInfo("toy", 1, 1, 1, max_positions, VOCAB,
-                              frozenset({EOS}) if eos else frozenset())
-        self.clock = clock
-        self.calls: list[int] = []
-
-    def prefill(self, token_ids: Sequence[int]) -> Prefill:
-        kv = KVBuffers.from_layers([np.asarray(token_ids[:-1], np.float32).reshape(1, -1, 1)],
-                                   [np.zeros((1, len(token_ids) - 1, 1), np.float32)])
-        return Prefill(tuple(token_ids), kv, 0.0)
-
-    def cache_from(self, kv: KVBuffers, *, wait: Callable[[int], None] | None = None) -> ToyCache:
-        if wait is None and not kv.complete:
-            raise DecodeError("incomplete")
-        cache = ToyCache([])
-        cache.pending = (kv, wait)
-        return cache
-
-    def forward(self, cache: ToyCache, token_ids: Sequence[int]) -> np.ndarray:
-        if cache.pending is not None:  # the one layer's cache is first used here
-            (kv, wait), cache.pending = cache.pending, None
-            if wait is not None:
-                wait(0)
-            cache.values = [float(x) for x in kv.keys[0, 0, :, 0]]
-        self.calls.append(len(token_ids))
-        if self.clock is not None:
-            self.clock.now += STEP_S
-        rows = []
-        for t in token_ids:
-            cache.values.append(float(t))
-            nxt = int(sum(cache.values) // 50) % VOCAB
-            row = np.zeros(VOCAB, np.float32)
-            row[nxt] = 1.0
-            rows.append(row)
-        return np.stack(rows)
+from tests._speculative_helpers import EOS, STEP_S, VOCAB, Clock, LandsWhenAwaited, ToyCache, ToyLM
 
 
 def greedy_reference(model: ToyLM, ids: list[int], kv: KVBuffers, n: int) -> list[int]:

