@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -73,8 +74,18 @@ def configure_logging(args: argparse.Namespace) -> None:
             default.upper() if args.log_level is None and default is not None else logging.NOTSET)
 
 
+#: MKL's conditional numerical reproducibility, strict: a matrix product gives the same
+#: bits whatever torch's thread count. Without it (seen on AMD EPYC with torch's MKL) the
+#: first model step, which runs on one thread fewer while the cache is still arriving,
+#: differs from a step on the filled cache by ~1e-5 in the logits. Read by MKL when it
+#: starts, so the CLI sets it (for itself and every node process it starts) before torch
+#: loads; the library never writes the environment (embedders: see docs/design.md).
+MKL_REPRODUCIBLE = ("MKL_CBWR", "AUTO,STRICT")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lynx`` command line; returns the process exit code."""
+    os.environ.setdefault(*MKL_REPRODUCIBLE)
     parser = _parser()
     args = parser.parse_args(argv)
     configure_logging(args)

@@ -13,6 +13,14 @@ import shutil
 
 import pytest
 
+from lynx_bench.cli import MKL_REPRODUCIBLE
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # As the `lynx` CLI does before torch loads (see lynx_bench.cli.MKL_REPRODUCIBLE): the
+    # tests check bit-equal logits across torch thread counts, which MKL guarantees only so.
+    os.environ.setdefault(*MKL_REPRODUCIBLE)
+
 
 @functools.cache
 def gpu_unavailable_reason() -> str | None:
