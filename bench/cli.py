@@ -26,6 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "passkey": ("lynx_bench.workload_cli", "pass-key accuracy of the full-precision model per context and depth"),
     "serve": ("lynx_bench.serve_cli", "run a prefill node: prefill prompts and stream their KV caches"),
     "sweep": ("lynx_bench.sweep", "TTFT against link bandwidth for bf16/int8/int4/lynx, with plots"),
+    "load": ("lynx_bench.load_cli",
+             "serving under load: open-loop Poisson requests from many decode nodes, tail TTFT per scheme"),
     "generate": ("lynx_bench.generate_cli", "run a decode node: fetch a prompt's KV cache and generate"),
     "bench-transport": ("lynx_bench.bench_transport",
                         "transport throughput vs raw ucxx, ucx_perftest and asyncio TCP; priority and shaping"),
