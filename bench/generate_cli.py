@@ -15,6 +15,7 @@ from lynx_bench.node_args import (
     add_model_arguments,
     add_secret_argument,
     add_timeout_arguments,
+    add_ucx_arguments,
     host_port,
     load_model,
     timeouts,
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "anchors with every token marked unverified")
     add_secret_argument(parser)
     add_timeout_arguments(parser, residual=True)
+    add_ucx_arguments(parser)
     add_model_arguments(parser)
 
 

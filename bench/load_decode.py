@@ -28,8 +28,15 @@ import time
 from typing import Any
 
 from lynx_bench.load import Status, prompt_set
-from lynx_bench.load_sink import Emitter, add_ucx_arguments, transport_config
-from lynx_bench.node_args import add_model_arguments, add_timeout_arguments, host_port, load_model, timeouts
+from lynx_bench.load_sink import Emitter, transport_config
+from lynx_bench.node_args import (
+    add_model_arguments,
+    add_timeout_arguments,
+    add_ucx_arguments,
+    host_port,
+    load_model,
+    timeouts,
+)
 from lynx_transport.errors import LynxError
 
 __all__ = ["check_available", "main"]

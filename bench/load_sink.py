@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from lynx_bench.load import Status, prompt_set
-from lynx_bench.node_args import add_timeout_arguments, host_port, timeouts
+from lynx_bench.node_args import add_timeout_arguments, add_ucx_arguments, host_port, timeouts, ucx_settings
 from lynx_decode.codec_config import Scheme
 from lynx_decode.kvstream import KVHeader
 from lynx_decode.request import KVRequest, parse_error_reply
@@ -174,8 +174,12 @@ class Sink:
 
     def _send(self, req: _Request) -> None:
         job = req.job
-        request = KVRequest(req.request_id, Scheme(job["scheme"]), int(job["anchor_bits"]), "ids",
-                            self.address, job.get("bandwidth_gbps"), hold_residual=False)
+        scheme = Scheme(job["scheme"])
+        # as a decode node does: a LYNX residual held until it is wanted (here: at once when
+        # every anchor is in, a first step that takes no time), unless the job says not to
+        hold = bool(job.get("hold_residual", False)) and scheme is Scheme.LYNX
+        request = KVRequest(req.request_id, scheme, int(job["anchor_bits"]), "ids",
+                            self.address, job.get("bandwidth_gbps"), hold_residual=hold)
         payload = self._prompts[int(job["prompt_id"])]
         with self._lock:
             self._seq += 1
@@ -290,6 +294,11 @@ class Sink:
             req = self._by_stream.get(stream.stream_id)
             if req is not None and req.anchor_unix is None:
                 req.anchor_unix = now
+        if req is not None and req.job.get("hold_residual") and int(Lane.RESIDUAL) in stream.manifest.lanes:
+            try:  # the anchors are in: ask for the residual (a no-op when it was not held)
+                stream.release_lane(Lane.RESIDUAL, self._timeouts.stream_s)
+            except TransportError as exc:
+                log.warning("could not release the residual of stream %d: %s", stream.stream_id, exc)
 
     def _on_complete(self, stream: ReceiveStream) -> None:
         now = time.time()
@@ -345,22 +354,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_timeout_arguments(parser)
 
 
-def add_ucx_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--ucx-tls`` / ``--ucx-net-devices``: the decode node's UCX transports and devices
-    (``TransportConfig.ucx_tls`` / ``ucx_net_devices``; a UCX context's own settings win
-    over ``UCX_*`` variables, so an emulated link must pin them here)."""
-    parser.add_argument("--ucx-tls", default=None, help="UCX transports (default: the transport's)")
-    parser.add_argument("--ucx-net-devices", default=None, help="UCX devices (default: the transport's)")
-
-
 def transport_config(args: argparse.Namespace, pool_wait_s: float) -> TransportConfig:
     """The decode node's :class:`TransportConfig` from its flags."""
-    changes: dict[str, Any] = {"pool_wait_s": pool_wait_s}
-    if args.ucx_tls is not None:
-        changes["ucx_tls"] = args.ucx_tls
-    if args.ucx_net_devices is not None:
-        changes["ucx_net_devices"] = args.ucx_net_devices
-    return TransportConfig(**changes)
+    return TransportConfig(pool_wait_s=pool_wait_s, **ucx_settings(args))
 
 
 def main(argv: list[str] | None = None) -> int:

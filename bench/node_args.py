@@ -7,7 +7,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lynx_transport.errors import ConfigError
 
@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from lynx_decode.timeouts import Timeouts
 
 __all__ = ["host_port", "add_model_arguments", "load_model", "add_secret_argument", "load_secret",
-           "SECRET_ENV", "transport_config", "add_timeout_arguments", "timeouts", "timeout_argv"]
+           "SECRET_ENV", "transport_config", "add_timeout_arguments", "timeouts", "timeout_argv",
+           "add_ucx_arguments", "ucx_settings"]
 
 #: Environment variable holding the transport's shared secret (``--secret-file`` wins).
 SECRET_ENV = "LYNX_SECRET"
@@ -88,11 +89,36 @@ def load_secret(args: argparse.Namespace) -> bytes | None:
     return raw
 
 
+def add_ucx_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--ucx-tls`` / ``--ucx-net-devices``: the node's UCX transports and devices
+    (``TransportConfig.ucx_tls`` / ``ucx_net_devices``). A UCX context's own settings
+    win over ``UCX_*`` variables, so a node on an emulated link must pin them here
+    (``tcp`` on its namespace's veth): left alone, two processes on one host move
+    their bytes by ``cma`` and bypass the link's tc shaping."""
+    parser.add_argument("--ucx-tls", default=None, metavar="TLS",
+                        help="UCX transports, UCX_TLS syntax (default: the transport's)")
+    parser.add_argument("--ucx-net-devices", default=None, metavar="DEVS",
+                        help="UCX network devices, UCX_NET_DEVICES syntax (default: the transport's)")
+
+
+def ucx_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``TransportConfig`` fields the ``--ucx-*`` flags set (none when absent)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "ucx_tls", None) is not None:
+        out["ucx_tls"] = args.ucx_tls
+    if getattr(args, "ucx_net_devices", None) is not None:
+        out["ucx_net_devices"] = args.ucx_net_devices
+    return out
+
+
 def transport_config(args: argparse.Namespace):
     """The nodes' :class:`TransportConfig` (only the shared secret comes from the CLI)."""
     from lynx_transport.config import TransportConfig  # noqa: PLC0415
 
-    return TransportConfig(secret=load_secret(args))
+    try:
+        return TransportConfig(secret=load_secret(args), **ucx_settings(args))
+    except ValueError as exc:
+        raise ConfigError(f"--ucx-tls/--ucx-net-devices: {exc}") from None
 
 
 #: ``--FLAG`` -> (Timeouts field, help). ``--stream-timeout`` is also ``--timeout``.

@@ -121,6 +121,8 @@ def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator
     serve_env: dict[str, str] = {}
     worker_env: dict[str, str] = {}
     listen, listen_host = "127.0.0.1:0", "127.0.0.1"
+    serve_ucx: list[str] = []
+    worker_ucx: list[str] = []
     if config.link is LinkMode.NETNS:
         from lynx_bench.link import Link  # noqa: PLC0415
         from lynx_bench.link_config import LinkConfig  # noqa: PLC0415
@@ -130,17 +132,21 @@ def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator
         link = Link(LinkConfig(rate_gbps=bandwidth, prefix=f"lxs{os.getpid() % 100000}")).up()
         serve_env, worker_env = link.ucx_env("tx"), link.ucx_env("rx")
         listen, listen_host = f"{link.address('tx')}:0", link.address("rx")
+        # pin UCX to tcp on each namespace's veth: left to itself it moves the bytes by
+        # cma between the two processes of this host and bypasses tc (see add_ucx_arguments)
+        serve_ucx = ["--ucx-tls", "tcp", "--ucx-net-devices", link.device("tx")]
+        worker_ucx = ["--ucx-tls", "tcp", "--ucx-net-devices", link.device("rx")]
     serve = worker = None
     try:
         tag = "" if bandwidth is None else f"-{bandwidth:g}"
         argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen,
-                *timeout_argv(config.timeouts)]
+                *timeout_argv(config.timeouts), *serve_ucx]
         serve = Child("prefill node", argv if link is None else link.exec_argv("tx", argv),
                       logs / f"serve{tag}.log", env=serve_env)
         address = serve.expect("listening on", STARTUP_TIMEOUT_S)
         argv = [*_python(), "-m", "lynx_bench.sweep_worker", "--connect", address,
                 "--listen-host", listen_host, "--prompts", str(config.prompts),
-                *timeout_argv(config.timeouts, residual=True)]
+                *timeout_argv(config.timeouts, residual=True), *worker_ucx]
         worker = Child("decode node", argv if link is None else link.exec_argv("rx", argv),
                        logs / f"decode{tag}.log", env=worker_env)
         ready = json.loads(worker.expect("READY", STARTUP_TIMEOUT_S))

@@ -20,7 +20,15 @@ import json
 import sys
 from typing import Any
 
-from lynx_bench.node_args import add_model_arguments, add_timeout_arguments, host_port, load_model, timeouts
+from lynx_bench.node_args import (
+    add_model_arguments,
+    add_timeout_arguments,
+    add_ucx_arguments,
+    host_port,
+    load_model,
+    timeouts,
+    transport_config,
+)
 from lynx_bench.workload import PassKeyCase, passkey_cases, score
 from lynx_transport.errors import LynxError
 
@@ -38,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen-host", default="127.0.0.1")
     parser.add_argument("--prompts", type=int, required=True)
     add_timeout_arguments(parser, residual=True)
+    add_ucx_arguments(parser)
     add_model_arguments(parser)
     args = parser.parse_args(argv)
     server = host_port(args.connect, flag="--connect")
@@ -47,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
     info = model.info
     cases: dict[tuple[int, int], PassKeyCase] = {}
-    with DecodeNode(model, host=args.listen_host, timeouts=timeouts(args)) as node:
+    with DecodeNode(model, host=args.listen_host, timeouts=timeouts(args),
+                    config=transport_config(args)) as node:
         _emit("READY", {"model_id": info.model_id, "max_positions": info.max_positions})
         for line in sys.stdin:
             if not line.strip():

@@ -201,3 +201,20 @@ def test_bad_serve_flags_are_config_errors_before_the_model_loads(flags: list[st
     args = _parser().parse_args(["serve", *flags])
     with pytest.raises(ConfigError, match=flags[0]):
         serve_cli.run(args)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_ucx_flags_pin_the_nodes_transports(command: str, tmp_path: Any) -> None:
+    """An emulated link needs its nodes on tcp over their veth (UCX's own settings win
+    over UCX_* variables; cma between two processes of one host bypasses tc)."""
+    spy = Spy()
+    flags = ["--ucx-tls", "tcp", "--ucx-net-devices", "lo"]
+    if command == "serve":
+        node: Any = serve_cli.prefill_node(_parser().parse_args(["serve", "--no-prefill-cache", *flags]),
+                                           InfoOnly(), transport=spy)  # type: ignore[arg-type]
+    else:
+        node = generate_cli.decode_node(_generate_args(*flags, tmp_path=tmp_path), InfoOnly(),
+                                        transport=spy)  # type: ignore[arg-type]
+    with node:
+        [config] = spy.listens
+        assert (config.ucx_tls, config.ucx_net_devices) == ("tcp", "lo")
