@@ -90,6 +90,11 @@ class LoadConfig:
     anchor_bits: int = DEFAULT_ANCHOR_BITS
     new_tokens: int = 32
     max_pending: int | None = None
+    #: the prefill node's within-lane policy (``lynx serve --lane-policy``; None: its default)
+    lane_policy: str | None = None
+    #: sink decode nodes hold a LYNX residual, as a decode node does, and release it the moment
+    #: every anchor is in (a first step that takes no time); False: sent with the anchors
+    hold_residual: bool = True
     seed: int = 0
     out: Path = Path("load-out")
     timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)

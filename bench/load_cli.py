@@ -67,7 +67,9 @@ from lynx_bench.load import (
 from lynx_bench.node_args import add_timeout_arguments, timeout_argv, timeouts
 from lynx_bench.processes import Child, ChildError
 from lynx_bench.sweep_config import SCHEMES, LinkMode, parse_floats
+from lynx_transport.config import TransportConfig
 from lynx_transport.errors import ConfigError
+from lynx_transport.scheduler import LanePolicy
 
 __all__ = ["add_arguments", "config_from_args", "run", "run_load"]
 
@@ -118,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pending", type=int, metavar="N",
                         help="the prefill node's admission bound: requests past it get a busy reply "
                              "(lynx serve --max-pending; default its own)")
+    parser.add_argument("--no-hold", dest="hold_residual", action="store_false", default=None,
+                        help="sink: ask for each LYNX residual with the anchors (default: held, as a "
+                             "decode node does, and released the moment every anchor is in)")
+    parser.add_argument("--lane-policy", choices=[p.value for p in LanePolicy],
+                        help="the prefill node's order of streams within a lane (lynx serve "
+                             "--lane-policy; default its own)")
     parser.add_argument("--seed", type=int, help=f"seed of the arrivals and the prompts (default {d.seed})")
     parser.add_argument("--out", type=Path, help=f"output folder (default {d.out})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -134,7 +142,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     elif args.load is not None:
         changes["loads"] = parse_floats(args.load, "--load")
     for name in ("requests", "decode_nodes", "context", "prompts", "new_tokens", "anchor_bits",
-                 "max_pending", "seed", "out"):
+                 "max_pending", "lane_policy", "hold_residual", "seed", "out"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.bandwidth is not None:
@@ -162,18 +170,10 @@ def default_model_shape() -> ModelShape:
                       max_positions=int(gguf_value(path, f"{arch}.context_length")))
 
 
-def _serve_flags() -> set[str]:
-    """Which of the optional ``lynx serve`` flags this build has (``--rate``, ``--max-pending``)."""
-    from lynx_bench import serve_cli  # noqa: PLC0415 - keeps `lynx --help` light
-
-    parser = argparse.ArgumentParser(add_help=False)
-    serve_cli.add_arguments(parser)
-    have = set()
-    for flag in ("--rate", "--max-pending"):
-        _, unknown = parser.parse_known_args([flag, "1"])
-        if flag not in unknown:
-            have.add(flag)
-    return have
+#: Over ``--link netns`` the prefill node paces its payload at this fraction of the tc
+#: rate: tc's htb counts whole frames, and TCP payload got 0.953-0.957 of its rate
+#: (``lynx link measure``, 1 Gbit/s); paced any faster, the excess queues in the kernel.
+NETNS_PAYLOAD = 0.93
 
 
 # -- processes -----------------------------------------------------------------------------------
@@ -239,7 +239,7 @@ def _pool_bytes(config: LoadConfig, shape: ModelShape) -> int:
 
 
 @contextlib.contextmanager
-def _start(config: LoadConfig, shape: ModelShape, serve_flags: set[str], logs: Path) -> Iterator[_Nodes]:
+def _start(config: LoadConfig, shape: ModelShape, logs: Path) -> Iterator[_Nodes]:
     """Start the prefill node and the decode nodes (each in its namespace with ``--link
     netns``); stop every one of them, and take the link down, on exit."""
     link = None
@@ -258,8 +258,15 @@ def _start(config: LoadConfig, shape: ModelShape, serve_flags: set[str], logs: P
             serve_env, listen = link.ucx_env("tx"), f"{link.address('tx')}:0"
         argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen,
                 *timeout_argv(config.timeouts)]
-        if link is None and "--rate" in serve_flags:
-            argv += ["--rate", repr(config.bandwidth_gbps)]
+        # the prefill node's egress, all decode nodes together; over an emulated link too,
+        # where tc is the link: paced at its rate, the queue stays in Lynx's scheduler (by
+        # priority) instead of in the kernel's socket and qdisc (first come, first served)
+        # (tc counts frames: TCP/IP headers leave ~95 % of its rate to payload, measured)
+        argv += ["--rate", repr(config.bandwidth_gbps * (1.0 if link is None else NETNS_PAYLOAD))]
+        if link is not None:  # the data must cross the veth: tcp on it (cma would bypass tc)
+            argv += ["--ucx-tls", "tcp", "--ucx-net-devices", link.device("tx")]
+        if config.lane_policy is not None:
+            argv += ["--lane-policy", config.lane_policy]
         if config.max_pending is not None:
             argv += ["--max-pending", str(config.max_pending)]
         serve = Child("prefill node", argv if link is None else link.exec_argv("tx", argv),
@@ -301,7 +308,8 @@ def _job(rid: str, scheme: str, prompt: int, send_unix: float, config: LoadConfi
          bandwidth: float | None) -> dict[str, Any]:
     return {"request_id": rid, "scheme": scheme, "prompt_id": prompt, "send_unix": send_unix,
             "timeout_s": config.request_timeout_s, "anchor_bits": config.anchor_bits,
-            "bandwidth_gbps": bandwidth, "new_tokens": config.new_tokens}
+            "bandwidth_gbps": bandwidth, "new_tokens": config.new_tokens,
+            "hold_residual": config.hold_residual}
 
 
 def _one(nodes: _Nodes, config: LoadConfig, rid: str, node: int, scheme: str, prompt: int,
@@ -384,14 +392,11 @@ def _plan(config: LoadConfig, int8_bytes: int) -> list[tuple[float, float]]:
 def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, command: str = "",
              ) -> tuple[dict[str, Any], list[RequestRow], list[dict[str, Any]]]:
     """Run every phase; returns the recorded config, the request rows and the phases."""
-    serve_flags = _serve_flags()
-    if config.max_pending is not None and "--max-pending" not in serve_flags:
-        raise ConfigError("--max-pending: this build's `lynx serve` has no --max-pending")
     logs = config.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     netns = config.link is LinkMode.NETNS
-    # who holds the egress to --bandwidth: tc (netns), `lynx serve --rate`, or each request
-    per_request = None if netns or "--rate" in serve_flags else config.bandwidth_gbps
+    # the egress is held to --bandwidth by tc (netns) or by `lynx serve --rate`, never per request
+    per_request = None
     sizes = {s: request_bytes(shape, s, config.context, config.anchor_bits) for s in SCHEMES}
     int8_bytes = sum(sizes["int8"])
     plan = _plan(config, int8_bytes)
@@ -407,16 +412,14 @@ def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, co
                     "request i goes to decode node i % decode_nodes and picks a seeded random prompt",
         "egress": (f"tc htb at {config.bandwidth_gbps:g} Gbit/s on the prefill namespace's one veth "
                    "(bench/link.py, one namespace per decode node on a bridge)" if netns else
-                   f"lynx serve --rate {config.bandwidth_gbps:g}: one rate for all decode nodes"
-                   if per_request is None else
-                   f"per request (KVRequest.bandwidth_gbps {config.bandwidth_gbps:g}): each decode node's "
-                   "connection is held to it; this lynx serve has no --rate"),
+                   f"lynx serve --rate {config.bandwidth_gbps:g}: one rate for all decode nodes"),
+        "lane_policy": config.lane_policy or TransportConfig().lane_policy.value,
         "decode_pool_bytes": _pool_bytes(config, shape),
     }
     rows: list[RequestRow] = []
     phases: list[dict[str, Any]] = []
     try:
-        with _start(config, shape, serve_flags, logs) as nodes:
+        with _start(config, shape, logs) as nodes:
             if bar is not None:
                 bar.set_postfix_str("warm-up (prefills)")
             recorded["warm_up"] = _warm_up(nodes, config, None, int8_bytes, bar)
