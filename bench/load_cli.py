@@ -66,6 +66,7 @@ from lynx_bench.load import (
 )
 from lynx_bench.node_args import add_timeout_arguments, timeout_argv, timeouts
 from lynx_bench.processes import Child, ChildError
+from lynx_bench.progress import progress_bar
 from lynx_bench.sweep_config import SCHEMES, LinkMode, parse_floats
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import ConfigError
@@ -372,14 +373,6 @@ def _phase(nodes: _Nodes, config: LoadConfig, number: int, scheme: str, load: fl
     return rows, info
 
 
-def _progress(total: int, disable: bool) -> Any:
-    try:
-        from tqdm import tqdm  # noqa: PLC0415 - an optional extra (bench)
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="req", disable=disable, file=sys.stderr,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
-
 
 def _plan(config: LoadConfig, int8_bytes: int) -> list[tuple[float, float]]:
     """``(load, rate_rps)`` of every load point."""
@@ -401,7 +394,7 @@ def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, co
     int8_bytes = sum(sizes["int8"])
     plan = _plan(config, int8_bytes)
     n_warm = config.prompts + max(0, config.decode_nodes - config.prompts) + len(config.schemes)
-    bar = _progress(n_warm + len(plan) * len(config.schemes) * config.requests, not progress)
+    bar = progress_bar(n_warm + len(plan) * len(config.schemes) * config.requests, disable=not progress, unit="req")
     recorded: dict[str, Any] = {
         "command": command, **config.to_json(), "started_unix": time.time(),
         "model": dataclasses.asdict(shape), "bytes_int8_per_request": int8_bytes,

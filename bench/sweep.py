@@ -33,6 +33,7 @@ from typing import Any
 
 from lynx_bench.node_args import add_timeout_arguments, timeout_argv, timeouts
 from lynx_bench.processes import Child, ChildError
+from lynx_bench.progress import progress_bar
 from lynx_bench.results import Row, ratio_table, summary_table, write_results
 from lynx_bench.sweep_config import QUICK, SCHEMES, LinkMode, SweepConfig, parse_floats, parse_ints
 from lynx_transport.errors import ConfigError
@@ -159,14 +160,6 @@ def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator
             link.down()
 
 
-def _progress(total: int, disable: bool) -> Any:
-    try:
-        from tqdm import tqdm  # noqa: PLC0415
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="run", disable=disable, file=sys.stderr,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
-
 
 def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") -> tuple[list[Row], dict[str, Any]]:
     """Run the sweep; returns the rows and the recorded config."""
@@ -180,7 +173,7 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
     all_jobs = [(g, _jobs(config, bws) if i == 0 else [j for j in _jobs(config, bws) if j.recorded])
                 for i, (g, bws) in enumerate(groups)]
     total = sum(len(jobs) for _, jobs in all_jobs)
-    bar = _progress(total, not progress)
+    bar = progress_bar(total, disable=not progress, unit="run")
     results: list[tuple[_Job, dict[str, Any]]] = []
     model_id = None
     runs = (config.out / "runs.jsonl").open("w", encoding="utf-8")

@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lynx_transport._dispatch import Dispatcher
 from lynx_transport._memory_egress import Conn, EgressCore, MemoryEgress, MemorySender, StreamEnds
 from lynx_transport._memory_loop import CLOCK, NetLoop
-from lynx_transport._receiver_loop import MAX_UNCLAIMED
+from lynx_transport._opened import OpenedStreams
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     ClosedError,
@@ -56,7 +55,6 @@ from lynx_transport.errors import (
     StreamCancelledError,
     StreamFailedError,
     TransportError,
-    TransportTimeoutError,
 )
 from lynx_transport.manifest import Manifest, decode_manifest
 from lynx_transport.pool import ReceivePool
@@ -81,9 +79,7 @@ class MemoryListener:
         self.pool, self.config, self._network, self._address, self._cb = (
             pool, config, network, address, callbacks)
         self._run = network._loop.run
-        self._opened: collections.deque[ReceiveStream] = collections.deque(maxlen=MAX_UNCLAIMED)
-        self._opened_cond = threading.Condition()
-        self._closed = False
+        self._opened = OpenedStreams()
         self._conns: list[Conn] = []
         self._waiting: collections.deque[tuple[float, StreamEnds, Manifest]] = collections.deque()
         self._dispatch = Dispatcher("lynx-mem-callbacks", config.thread_nice)
@@ -93,19 +89,11 @@ class MemoryListener:
         return self._address
 
     def next_stream(self, timeout: float) -> ReceiveStream:
-        with self._opened_cond:
-            if not self._opened_cond.wait_for(lambda: bool(self._opened) or self._closed, timeout):
-                raise TransportTimeoutError(f"no stream opened within {timeout} s")
-            if not self._opened:
-                raise ClosedError("the receiver was closed")
-            return self._opened.popleft()
+        return self._opened.next(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        if self._closed:
+        if not self._opened.close():
             return
-        with self._opened_cond:
-            self._closed = True
-            self._opened_cond.notify_all()
         try:
             self._run(self._shut, timeout)
         finally:
@@ -120,7 +108,7 @@ class MemoryListener:
 
     # -- on the network thread: connections and opening -----------------------------------------
     def _attach(self, conn: Conn) -> None:
-        if self._closed:
+        if self._opened.closed:
             raise ConnectError(f"cannot connect to {self._address[0]}:{self._address[1]}: "
                                "the listener was closed")
         self._conns.append(conn)
@@ -171,9 +159,7 @@ class MemoryListener:
         rx._abandon = lambda reason, timeout: self._run(lambda: self._abandon(s, reason), timeout)
         rx._go = lambda lane, timeout: self._run(lambda: self._lane_go(s, lane), timeout)
         self._dispatch.post(self._cb.on_stream_open, rx)
-        with self._opened_cond:
-            self._opened.append(rx)
-            self._opened_cond.notify()
+        self._opened.put(rx)
         rx._completion.activate()
         s.tx._completion.activate()  # the ACCEPT frame
         s.accepted = True

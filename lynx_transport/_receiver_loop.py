@@ -58,12 +58,9 @@ from lynx_transport.wire import (
     unpack_u64,
 )
 
-__all__ = ["RxLoop", "MAX_UNCLAIMED", "CALLBACKS"]
+__all__ = ["RxLoop", "CALLBACKS"]
 
 log = logging.getLogger("lynx_transport")
-
-#: Opened streams kept for ``Receiver.next_stream`` until claimed.
-MAX_UNCLAIMED = 1024
 
 #: Largest frame a peer may send before the handshake is done.
 HANDSHAKE_MAX_PAYLOAD = 256

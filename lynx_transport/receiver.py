@@ -40,18 +40,17 @@ or ``peer_timeout_s`` of silence fails that peer's streams with
 
 from __future__ import annotations
 
-import collections
 import ipaddress
 import socket
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from lynx_transport._dispatch import Dispatcher
-from lynx_transport._receiver_loop import MAX_UNCLAIMED, RxLoop
+from lynx_transport._opened import OpenedStreams
+from lynx_transport._receiver_loop import RxLoop
 from lynx_transport.clock import Clock, MonotonicClock
 from lynx_transport.config import TransportConfig
-from lynx_transport.errors import ClosedError, TransportError, TransportTimeoutError
+from lynx_transport.errors import ClosedError, TransportError
 from lynx_transport.pool import ReceivePool
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.shaper import Rate
@@ -81,9 +80,7 @@ class Receiver:
                      "on_lane_complete": on_lane_complete, "on_stream_complete": on_stream_complete,
                      "on_stream_failed": on_stream_failed}
         # streams for next_stream(); bounded so a callback-only user leaks nothing
-        self._opened: collections.deque[ReceiveStream] = collections.deque(maxlen=MAX_UNCLAIMED)
-        self._opened_cond = threading.Condition()
-        self._closed = False
+        self._opened = OpenedStreams()
         listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -112,15 +109,13 @@ class Receiver:
         return self._address
 
     def _call(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
-        if self._closed:
+        if self._opened.closed:
             raise ClosedError("the receiver is closed")
         return self._loop.run(fn, timeout)
 
     def _stream_opened(self, stream: ReceiveStream) -> None:
         """(I/O thread) A stream was admitted: queue it for :meth:`next_stream`."""
-        with self._opened_cond:
-            self._opened.append(stream)
-            self._opened_cond.notify()
+        self._opened.put(stream)
 
     def next_stream(self, timeout: float) -> ReceiveStream:
         """The next opened stream (manifest accepted, data may still be arriving).
@@ -129,12 +124,7 @@ class Receiver:
         ``on_stream_open`` is set; at most ``MAX_UNCLAIMED`` wait here (the
         oldest unclaimed ones are dropped from this queue, not from the transport).
         """
-        with self._opened_cond:
-            if not self._opened_cond.wait_for(lambda: bool(self._opened) or self._closed, timeout):
-                raise TransportTimeoutError(f"no stream opened within {timeout} s")
-            if not self._opened:
-                raise ClosedError("the receiver was closed")
-            return self._opened.popleft()
+        return self._opened.next(timeout)
 
     def request_rate(self, rate: Rate | None) -> None:
         """Ask every connected (and future) sender to hold its connection to ``rate``
@@ -158,11 +148,8 @@ class Receiver:
 
     def close(self, timeout: float = 5.0) -> None:
         """Fail active streams (``ClosedError``), close connections, stop the threads."""
-        if self._closed:
+        if not self._opened.close():
             return
-        with self._opened_cond:
-            self._closed = True
-            self._opened_cond.notify_all()
         self._loop.stop(timeout)
         self._dispatch.stop(timeout)
 

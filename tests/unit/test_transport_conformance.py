@@ -15,6 +15,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -484,6 +485,16 @@ class Side:
     pool: ReceivePool
 
 
+def _land_exactly(*sides: Any) -> None:
+    """Each side's next stream completes with exactly the bytes sent, its callbacks in order."""
+    for side in sides:
+        stream = side.rx.next_stream(WAIT)
+        stream.wait(WAIT)
+        assert_exact(stream)
+        side.rec.check(stream, "complete")
+        stream.release()
+
+
 @contextlib.contextmanager
 def egress_to_two(transport: Transport, *, config: TransportConfig = CFG,
                   recs: Sequence[Recorder] = (),
@@ -541,12 +552,7 @@ def test_an_anchor_for_one_listener_overtakes_a_residual_sending_to_another(tran
         overtaken_by = seen_at_anchor[0] - seen_at_open[0]
         assert overtaken_by <= CFG.max_inflight_bytes // CHUNK + 2, overtaken_by
         assert sb.lane_completed_at[Lane.ANCHOR] < sa.lane_completed_at[Lane.RESIDUAL]
-        for side in (side1, side2):
-            stream = side.rx.next_stream(WAIT)
-            stream.wait(WAIT)
-            assert_exact(stream)
-            side.rec.check(stream, "complete")
-            stream.release()
+        _land_exactly(side1, side2)
 
 
 @pytest.mark.parametrize("policy", list(LanePolicy))
@@ -567,12 +573,7 @@ def test_the_lane_policy_orders_streams_of_one_lane_across_the_egress_peers(tran
             assert a_done < b_done  # by arrival: the short stream waits behind the long one
         else:
             assert b_done < a_done  # shortest remaining first, or turn about: the short one is done first
-        for side in (side1, side2):
-            stream = side.rx.next_stream(WAIT)
-            stream.wait(WAIT)
-            assert_exact(stream)
-            side.rec.check(stream, "complete")
-            stream.release()
+        _land_exactly(side1, side2)
 
 
 def test_a_closed_listener_fails_only_its_own_streams_and_leaves_the_egress(transport) -> None:
@@ -656,12 +657,7 @@ def test_the_egress_link_rate_paces_all_its_peers_together(transport) -> None:
         took = max(s.completed_at or 0.0 for s in sent) - min(s.opened_at for s in sent)
         ideal = (2 * n - rate.burst_bytes) / rate.bytes_per_s  # ~81 ms; one peer alone: half
         assert 0.85 * ideal <= took <= 4 * ideal + 0.25, (took, ideal)
-        for side in (side1, side2):
-            stream = side.rx.next_stream(WAIT)
-            stream.wait(WAIT)
-            assert_exact(stream)
-            side.rec.check(stream, "complete")
-            stream.release()
+        _land_exactly(side1, side2)
 
 
 def test_a_connections_own_rate_caps_that_peer_only(transport) -> None:
@@ -679,9 +675,4 @@ def test_a_connections_own_rate_caps_that_peer_only(transport) -> None:
         assert sa.completed_at is not None and sb.completed_at is not None
         assert sb.completed_at < sa.completed_at  # ... yet A over its cap does not hold B back
         assert sa.completed_at - sa.opened_at >= 0.85 * ((512 << 10) - cap.burst_bytes) / cap.bytes_per_s
-        for side in (side1, side2):
-            stream = side.rx.next_stream(WAIT)
-            stream.wait(WAIT)
-            assert_exact(stream)
-            side.rec.check(stream, "complete")
-            stream.release()
+        _land_exactly(side1, side2)

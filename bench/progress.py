@@ -1,0 +1,18 @@
+"""The progress bar of the CLI's long runs (``lynx sweep``, ``lynx load``), on stderr."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["progress_bar"]
+
+
+def progress_bar(total: int, *, disable: bool, unit: str) -> Any:
+    """A tqdm bar over ``total`` ``unit``\\ s, or ``None`` when tqdm (the bench extra) is missing."""
+    try:
+        from tqdm import tqdm  # noqa: PLC0415 - an optional extra (bench)
+    except ImportError:
+        return None
+    return tqdm(total=total, unit=unit, disable=disable, file=sys.stderr,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
