@@ -33,9 +33,8 @@ from typing import Any
 import numpy as np
 
 from lynx_bench.sweep_config import SCHEMES, LinkMode, check_writable_dir
-from lynx_decode.codec_config import ANCHOR_BITS, DEFAULT_ANCHOR_BITS, MAX_BITS, MIN_BITS, CodecConfig, Scheme
-from lynx_decode.codec_config import Stream as CodecStream
-from lynx_decode.codec_layout import LayerLayout
+from lynx_decode.codec.config import ANCHOR_BITS, DEFAULT_ANCHOR_BITS, MAX_BITS, MIN_BITS, CodecConfig, Scheme
+from lynx_decode.codec.layout import LayerLayout
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import ConfigError
 
@@ -92,9 +91,10 @@ class LoadConfig:
     max_pending: int | None = None
     #: the prefill node's within-lane policy (``lynx serve --lane-policy``; None: its default)
     lane_policy: str | None = None
-    #: sink decode nodes hold a LYNX residual, as a decode node does, and release it the moment
-    #: every anchor is in (a first step that takes no time); False: sent with the anchors
-    hold_residual: bool = True
+    #: sink decode nodes ask for each LYNX residual with its anchors, as a decode node does by
+    #: default (``DecodeNode.run(hold_residual=False)``); True: held, and released the moment
+    #: every anchor is in (a first step that takes no time)
+    hold_residual: bool = False
     seed: int = 0
     out: Path = Path("load-out")
     timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
@@ -169,8 +169,8 @@ def request_bytes(shape: ModelShape, scheme: str, prompt_tokens: int,
     s = Scheme(scheme)
     codec = CodecConfig(scheme=s, bits=anchor_bits if s is Scheme.LYNX else CodecConfig().bits)
     layer = LayerLayout.build(codec, shape.kv_heads, prompt_tokens - 1, shape.head_dim)
-    anchor = 4 * prompt_tokens + shape.layers * layer.stream_size(CodecStream.ANCHOR)
-    return anchor, shape.layers * layer.stream_size(CodecStream.RESIDUAL)
+    anchor = 4 * prompt_tokens + shape.layers * layer.plane_size(0)
+    return anchor, shape.layers * sum(layer.plane_size(p) for p in range(1, layer.num_planes))
 
 
 def rate_for_load(load: float, bandwidth_gbps: float, bytes_per_request: int) -> float:

@@ -121,9 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pending", type=int, metavar="N",
                         help="the prefill node's admission bound: requests past it get a busy reply "
                              "(lynx serve --max-pending; default its own)")
-    parser.add_argument("--no-hold", dest="hold_residual", action="store_false", default=None,
-                        help="sink: ask for each LYNX residual with the anchors (default: held, as a "
-                             "decode node does, and released the moment every anchor is in)")
+    parser.add_argument("--hold", dest="hold_residual", action=argparse.BooleanOptionalAction, default=None,
+                        help="sink: hold each LYNX residual until every anchor is in (--hold), or ask for it "
+                             "with the anchors as a decode node does by default (--no-hold, the default)")
     parser.add_argument("--lane-policy", choices=[p.value for p in LanePolicy],
                         help="the prefill node's order of streams within a lane (lynx serve "
                              "--lane-policy; default its own)")

@@ -132,7 +132,7 @@ class _Worker:
                                    "sent_unix": self._sent.get(rid), "error": "not finished in time"})
 
     def _run(self, job: dict[str, Any]) -> None:
-        from lynx_decode.codec_config import Scheme  # noqa: PLC0415 - loaded with the model
+        from lynx_decode.codec.config import Scheme  # noqa: PLC0415 - loaded with the model
         from lynx_decode.errors import ServerBusyError  # noqa: PLC0415
 
         rid = str(job["request_id"])

@@ -43,7 +43,7 @@ import numpy as np
 
 from lynx_bench.load import Status, prompt_set
 from lynx_bench.node_args import add_timeout_arguments, add_ucx_arguments, host_port, timeouts, ucx_settings
-from lynx_decode.codec_config import Scheme
+from lynx_decode.codec.config import Scheme
 from lynx_decode.kvstream import KVHeader
 from lynx_decode.request import KVRequest, parse_error_reply
 from lynx_decode.timeouts import Timeouts
@@ -178,7 +178,7 @@ class Sink:
         # as a decode node does: a LYNX residual held until it is wanted (here: at once when
         # every anchor is in, a first step that takes no time), unless the job says not to
         hold = bool(job.get("hold_residual", False)) and scheme is Scheme.LYNX
-        request = KVRequest(req.request_id, scheme, int(job["anchor_bits"]), "ids",
+        request = KVRequest(req.request_id, scheme, (int(job["anchor_bits"]), 8 - int(job["anchor_bits"])), "ids",
                             self.address, job.get("bandwidth_gbps"), hold_residual=hold)
         payload = self._prompts[int(job["prompt_id"])]
         with self._lock:

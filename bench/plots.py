@@ -1,16 +1,25 @@
-"""The sweep's two plots: TTFT against bandwidth (log-log, median with min-max bars)
-and accuracy per scheme. matplotlib is imported lazily with the Agg backend."""
+"""The sweep's two plots: time to first token against bandwidth (log-log, median with
+min-max bars) and accuracy per scheme. matplotlib is imported lazily with the Agg backend.
+
+In the TTFT plot every scheme has one colour; each LYNX split (``lynx``, ``lynx-3``,
+``lynx-2.2.4``, ...) draws two lines in its colour: ``ttft_s`` (first tentative
+token, solid) and ``ttfct_s`` (first committed token, dashed). The other schemes
+commit their first token, so their one line is both clocks."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-from lynx_bench.results import Row
+from lynx_bench.results import Row, order_schemes
+from lynx_bench.sweep_config import is_lynx
 
-__all__ = ["plot_ttft_vs_bandwidth", "plot_accuracy", "SCHEME_ORDER"]
+__all__ = ["plot_ttft_vs_bandwidth", "plot_accuracy", "SCHEME_ORDER", "scheme_colors"]
 
 SCHEME_ORDER = ("bf16", "int8", "int4", "lynx")
+#: baselines keep their colours however many LYNX splits a sweep has
+_BASE_COLORS = {"bf16": "tab:blue", "int8": "tab:orange", "int4": "tab:green"}
+_LYNX_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
 
 
 def _pyplot():
@@ -23,36 +32,78 @@ def _pyplot():
 
 
 def _schemes(rows: Sequence[Row]) -> list[str]:
-    present = {r.scheme for r in rows}
-    return [s for s in SCHEME_ORDER if s in present] + sorted(present - set(SCHEME_ORDER))
+    """Baselines (bf16, int8, int4), then the LYNX splits as they first appear, then the rest."""
+    return order_schemes(r.scheme for r in rows)
+
+
+def scheme_colors(schemes: Sequence[str]) -> dict[str, str]:
+    """A colour per scheme: fixed for the baselines, one per LYNX split in order."""
+    out, lynx = {}, 0
+    extra = iter(("tab:gray", "black", "gold", "navy"))
+    for scheme in schemes:
+        if scheme in _BASE_COLORS:
+            out[scheme] = _BASE_COLORS[scheme]
+        elif is_lynx(scheme):
+            out[scheme] = _LYNX_COLORS[lynx % len(_LYNX_COLORS)]
+            lynx += 1
+        else:
+            out[scheme] = next(extra, "black")
+    return out
+
+
+def _median(vals: list[float]) -> float:
+    vals = sorted(vals)
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else 0.5 * (vals[mid - 1] + vals[mid])
+
+
+def _series(rows: Sequence[Row], scheme: str, ctx: int, field: str) -> tuple[list[float], list[float],
+                                                                             list[list[float]]]:
+    """Bandwidths, medians and min-max error bars of ``field`` (missing values skipped)."""
+    bws, med, lo, hi = [], [], [], []
+    for bw in sorted({r.bandwidth_gbps for r in rows if r.scheme == scheme and r.context == ctx}):
+        vals = [v for r in rows if r.scheme == scheme and r.context == ctx and r.bandwidth_gbps == bw
+                and (v := getattr(r, field)) is not None]
+        if not vals:
+            continue
+        m = _median(vals)
+        bws.append(bw)
+        med.append(m)
+        lo.append(m - min(vals))
+        hi.append(max(vals) - m)
+    return bws, med, [lo, hi]
 
 
 def plot_ttft_vs_bandwidth(rows: Sequence[Row], path: Path) -> Path:
-    """Median ``ttft_s`` per scheme against bandwidth, min-max bars, one panel per context."""
+    """Median ``ttft_s`` per scheme against bandwidth, min-max bars, one panel per
+    context; for each LYNX split also ``ttfct_s`` (committed), dashed, same colour."""
     plt = _pyplot()
     contexts = sorted({r.context for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    schemes = _schemes(rows)
+    colors = scheme_colors(schemes)
+    fig, axes = plt.subplots(1, len(contexts), figsize=(8.5 * len(contexts), 4.8), squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
-        for scheme in _schemes(rows):
-            bws = sorted({r.bandwidth_gbps for r in rows if r.scheme == scheme and r.context == ctx})
-            med, lo, hi = [], [], []
-            for bw in bws:
-                vals = sorted(r.ttft_s for r in rows
-                              if r.scheme == scheme and r.context == ctx and r.bandwidth_gbps == bw)
-                m = vals[len(vals) // 2] if len(vals) % 2 else 0.5 * (vals[len(vals) // 2 - 1] + vals[len(vals) // 2])
-                med.append(m)
-                lo.append(m - vals[0])
-                hi.append(vals[-1] - m)
-            ax.errorbar(bws, med, yerr=[lo, hi], marker="o", capsize=3, label=scheme)
+        for scheme in schemes:
+            lynx = is_lynx(scheme)
+            bws, med, err = _series(rows, scheme, ctx, "ttft_s")
+            if bws:
+                ax.errorbar(bws, med, yerr=err, marker="o", capsize=3, color=colors[scheme],
+                            label=f"{scheme} ttft_s (tentative)" if lynx else f"{scheme} ttft_s")
+            if lynx:
+                bws, med, err = _series(rows, scheme, ctx, "ttfct_s")
+                if bws:
+                    ax.errorbar(bws, med, yerr=err, marker="s", capsize=3, color=colors[scheme],
+                                linestyle="--", mfc="none", label=f"{scheme} ttfct_s (committed)")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("link bandwidth (Gbit/s)")
-        ax.set_ylabel("time to first token, ttft_s (s)")
-        ax.set_title(f"context {ctx} tokens")
+        ax.set_ylabel("time to first token (s)")
+        ax.set_title(f"context {ctx} tokens: tentative (solid) and committed (dashed)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        # beside the panel: with several splits the legend would cover the lines
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -74,12 +125,12 @@ def plot_accuracy(rows: Sequence[Row], path: Path) -> Path:
             offset = (2 * ci + mi) * width - 0.4 + width / 2
             ax.bar([i + offset for i in range(len(schemes))], vals, width, hatch=hatch,
                    label=f"{metric} @ {ctx}")
-    ax.set_xticks(range(len(schemes)), schemes)
+    ax.set_xticks(range(len(schemes)), schemes, rotation=20 if len(schemes) > 5 else 0)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("fraction")
     ax.set_title("pass-key accuracy and agreement with INT8 decoding")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -12,9 +12,17 @@ with the link held to the bandwidth either by the sender's token-bucket shaper
 every metric the decode node reported (lane transfer times, ``draft_ready_s``,
 ``first_tentative_s``, ``dequant_s``, tokens, ...), written as runs finish.
 
+Schemes: ``--schemes`` picks among bf16, int8, int4 and lynx; lynx runs once per
+LYNX split (``--anchor-bits 4,3`` or ``--planes 4,4 2,2,4``), each split a scheme of
+its own, ``lynx-4``, ``lynx-3``, ``lynx-2.2.4`` (just ``lynx`` for the default split
+alone; :func:`lynx_bench.sweep_config.lynx_scheme_name`). Every scheme, each split
+included, runs interleaved with the others at every point.
+
 ``agreement_vs_int8`` / ``agreement_vs_bf16``: 1.0 when a run's tokens equal the
 INT8 / BF16 run's tokens for the same prompt (decoded unshaped when that scheme
-is not part of the sweep).
+is not part of the sweep). Every LYNX split must equal INT8 decoding: the exit
+code is 1 when a run of one does not. ``first_token_correct``: see
+:mod:`lynx_bench.results`.
 """
 
 from __future__ import annotations
@@ -34,8 +42,18 @@ from typing import Any
 from lynx_bench.node_args import add_timeout_arguments, timeout_argv, timeouts
 from lynx_bench.processes import Child, ChildError
 from lynx_bench.progress import progress_bar
-from lynx_bench.results import Row, ratio_table, summary_table, write_results
-from lynx_bench.sweep_config import QUICK, SCHEMES, LinkMode, SweepConfig, parse_floats, parse_ints
+from lynx_bench.results import CLOCKS_LEGEND, Row, first_token_correct, ratio_table, summary_table, write_results
+from lynx_bench.sweep_config import (
+    QUICK,
+    SCHEMES,
+    LinkMode,
+    SweepConfig,
+    SweepScheme,
+    is_lynx,
+    parse_floats,
+    parse_ints,
+    parse_planes_flag,
+)
 from lynx_transport.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "run_sweep"]
@@ -54,7 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"KV schemes among {','.join(SCHEMES)} (default all)")
     parser.add_argument("--prompts", type=int, help=f"pass-key prompts per context (default {d.prompts})")
     parser.add_argument("--new-tokens", type=int, help=f"tokens to generate (default {d.new_tokens})")
-    parser.add_argument("--anchor-bits", type=int, help=f"anchor bits for lynx (default {d.anchor_bits})")
+    splits = parser.add_mutually_exclusive_group()
+    splits.add_argument("--anchor-bits", metavar="B,...",
+                        help="LYNX anchor widths, each the split B,8-B, run side by side as schemes "
+                             f"lynx-B (default {d.splits[0][0]}; the default split alone is named lynx)")
+    splits.add_argument("--planes", nargs="+", metavar="W,W[,W...]",
+                        help="LYNX splits, plane widths from the top bit down summing to 8 (e.g. 4,4 "
+                             "2,2,4), run side by side as schemes lynx-4, lynx-2.2.4 "
+                             f"(default {','.join(map(str, d.splits[0]))}; the default split alone is named lynx)")
     parser.add_argument("--link", choices=[m.value for m in LinkMode],
                         help="shaper: the transport's token bucket (default); netns: tc in namespaces (root)")
     parser.add_argument("--repeats", type=int, help=f"repeats per point (default {d.repeats})")
@@ -76,7 +101,11 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         changes["contexts"] = parse_ints(args.contexts, "--contexts")
     if args.schemes is not None:
         changes["schemes"] = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
-    for name in ("prompts", "new_tokens", "anchor_bits", "repeats", "seed", "out"):
+    if args.anchor_bits is not None:
+        changes["anchor_bits"] = parse_ints(args.anchor_bits, "--anchor-bits")
+    if args.planes is not None:
+        changes["planes"] = parse_planes_flag(args.planes, "--planes")
+    for name in ("prompts", "new_tokens", "repeats", "seed", "out"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.link is not None:
@@ -93,22 +122,35 @@ class _Job:
     context: int
     prompt_id: int
     repeat: int
+    #: the scheme's name in the results (``lynx-3``, ``int8``, ...)
     scheme: str
+    #: the codec scheme the decode node asks for (``lynx`` for every split)
+    codec_scheme: str
+    #: the LYNX split (None for other schemes)
+    planes: tuple[int, ...] | None = None
     recorded: bool = True
 
 
 def _jobs(config: SweepConfig, bandwidths: tuple[float, ...]) -> list[_Job]:
     jobs = []
+    schemes: tuple[SweepScheme, ...] = config.sweep_schemes
     for ctx in config.contexts:
         for prompt in range(config.prompts):
             for ref in ("int8", "bf16"):
                 if ref not in config.schemes:
-                    jobs.append(_Job(None, ctx, prompt, 0, ref, recorded=False))
+                    jobs.append(_Job(None, ctx, prompt, 0, ref, ref, recorded=False))
             for repeat in range(config.repeats):
                 for bw in bandwidths:
-                    for scheme in config.schemes:
-                        jobs.append(_Job(bw, ctx, prompt, repeat, scheme))
+                    for s in schemes:
+                        jobs.append(_Job(bw, ctx, prompt, repeat, s.name, s.scheme, s.planes))
     return jobs
+
+
+def _request(config: SweepConfig, job: _Job) -> dict[str, Any]:
+    """The worker's job line for ``job`` (see :mod:`lynx_bench.sweep_worker`)."""
+    return {"context": job.context, "prompt_id": job.prompt_id, "seed": config.seed,
+            "scheme": job.codec_scheme, "planes": None if job.planes is None else list(job.planes),
+            "bandwidth_gbps": job.bandwidth_gbps, "new_tokens": config.new_tokens}
 
 
 def _python() -> list[str]:
@@ -186,10 +228,7 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
                     if bar is not None:
                         bar.set_postfix_str(f"{job.scheme} {job.bandwidth_gbps or 'ref'} Gbit/s "
                                             f"ctx {job.context}")
-                    worker.send(json.dumps({
-                        "context": job.context, "prompt_id": job.prompt_id, "seed": config.seed,
-                        "scheme": job.scheme, "bandwidth_gbps": job.bandwidth_gbps,
-                        "new_tokens": config.new_tokens, "anchor_bits": config.anchor_bits}))
+                    worker.send(json.dumps(_request(config, job)))
                     out = json.loads(worker.expect("RESULT", RUN_TIMEOUT_S))
                     if "error" in out:
                         raise ChildError(f"run {job} failed: {out['error']}")
@@ -224,13 +263,17 @@ def _rows(results: list[tuple[_Job, dict[str, Any]]]) -> list[Row]:
             continue
         assert job.bandwidth_gbps is not None
         rows.append(Row(
-            scheme=job.scheme, bandwidth_gbps=job.bandwidth_gbps, context=job.context,
+            scheme=job.scheme, planes=None if job.planes is None else ",".join(map(str, job.planes)),
+            bandwidth_gbps=job.bandwidth_gbps, context=job.context,
             prompt_id=job.prompt_id, repeat=job.repeat, ttft_s=out["ttft_s"],
-            ttfct_s=out["ttfct_s"], e2e_s=out["e2e_s"], acceptance_rate=out["acceptance_rate"],
+            ttfct_s=out["ttfct_s"], e2e_s=out["e2e_s"],
+            first_token_correct=first_token_correct(job.codec_scheme, out.get("first_tentative_token"),
+                                                    out["tokens"], verified=out.get("verified", True)),
+            acceptance_rate=out["acceptance_rate"],
             bytes_anchor=out["bytes_anchor"], bytes_residual=out["bytes_residual"],
             bytes_total=out["bytes_total"], accuracy=out["accuracy"],
             agreement_vs_int8=agree("int8", job, out["tokens"]), agreement_vs_bf16=agree("bf16", job, out["tokens"]),
-            text=out["text"]))
+            text=out["text"], physical_limit_s=out.get("physical_limit_s")))
     return rows
 
 
@@ -264,14 +307,17 @@ def run(args: argparse.Namespace) -> int:
         print(json_path.read_text())
     else:
         print(summary_table(rows))
+        print(CLOCKS_LEGEND)
         print()
-        print("median ttft_s ratios (Lynx against the INT8 and INT4 baselines, same run):")
+        print("median ratios per LYNX split against the INT8 and INT4 baselines, same run:")
         print(ratio_table(rows))
         print()
     for path in (json_path, csv_path, ttft_png, acc_png):
         print(f"wrote {path}")
-    bad = [r for r in rows if r.scheme == "lynx" and r.agreement_vs_int8 != 1.0]
-    if bad:
-        print(f"lynx: {len(bad)} runs differ from INT8 decoding", file=sys.stderr)
-        return 1
-    return 0
+    bad: dict[str, int] = {}
+    for r in rows:
+        if is_lynx(r.scheme) and r.agreement_vs_int8 != 1.0:
+            bad[r.scheme] = bad.get(r.scheme, 0) + 1
+    for scheme, n in bad.items():
+        print(f"lynx: {scheme}: {n} runs differ from INT8 decoding", file=sys.stderr)
+    return 1 if bad else 0

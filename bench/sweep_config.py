@@ -1,8 +1,14 @@
 """Sweep configuration: parsed from the command line, validated before any work.
 
-Every check that can fail (bandwidths, schemes, contexts against the model's
-window, the output folder) runs here, so a bad argument is reported in the
+Every check that can fail (bandwidths, schemes, LYNX splits, contexts against the
+model's window, the output folder) runs here, so a bad argument is reported in the
 first second instead of after minutes of prefill.
+
+LYNX splits: ``--anchor-bits 4,3`` (each ``b`` is the split ``(b, 8 - b)``) or
+``--planes 4,4 2,2,4`` (plane widths from the top bit down), not both. Each split
+is a scheme of its own in every table, JSON file and plot, named by
+:func:`lynx_scheme_name`: ``lynx`` when the sweep asks for the default split alone,
+otherwise ``lynx-<planes_name>`` (``lynx-4``, ``lynx-3``, ``lynx-2.2.4``).
 """
 
 from __future__ import annotations
@@ -13,13 +19,49 @@ import os
 import tempfile
 from pathlib import Path
 
-from lynx_decode.codec_config import ANCHOR_BITS, DEFAULT_ANCHOR_BITS, MAX_BITS, MIN_BITS
+from lynx_decode.codec.config import (
+    ANCHOR_BITS,
+    DEFAULT_ANCHOR_BITS,
+    MAX_BITS,
+    MIN_BITS,
+    check_planes,
+    parse_planes,
+    planes_name,
+)
+from lynx_decode.errors import CodecError
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import ConfigError
 
-__all__ = ["LinkMode", "SweepConfig", "QUICK", "parse_floats", "parse_ints", "check_writable_dir"]
+__all__ = ["LinkMode", "SweepConfig", "SweepScheme", "QUICK", "SCHEMES", "DEFAULT_PLANES", "is_lynx",
+           "lynx_scheme_name", "parse_floats", "parse_ints", "parse_planes_flag", "check_writable_dir"]
 
 SCHEMES = ("bf16", "int8", "int4", "lynx")
+#: The LYNX split a sweep runs when neither ``--anchor-bits`` nor ``--planes`` is given.
+DEFAULT_PLANES: tuple[int, ...] = (DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS)
+
+
+def is_lynx(scheme: str) -> bool:
+    """Whether a sweep scheme name is a LYNX split (``lynx``, ``lynx-3``, ``lynx-2.2.4``, ...)."""
+    return scheme == "lynx" or scheme.startswith("lynx-")
+
+
+def lynx_scheme_name(planes: tuple[int, ...], splits: tuple[tuple[int, ...], ...]) -> str:
+    """The sweep scheme name of the split ``planes`` in a sweep of ``splits``: ``lynx``
+    when the default split is the only one asked for, else ``lynx-<planes_name>``."""
+    if tuple(splits) == (DEFAULT_PLANES,) and tuple(planes) == DEFAULT_PLANES:
+        return "lynx"
+    return f"lynx-{planes_name(tuple(planes))}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepScheme:
+    """One scheme as the sweep runs it: ``name`` in tables, JSON and plots; ``scheme``
+    the codec's scheme (``Scheme`` value) the decode node asks for; ``planes`` the
+    LYNX split (None for every other scheme)."""
+
+    name: str
+    scheme: str
+    planes: tuple[int, ...] | None = None
 
 
 class LinkMode(enum.Enum):
@@ -36,13 +78,37 @@ class SweepConfig:
     schemes: tuple[str, ...] = SCHEMES
     prompts: int = 2
     new_tokens: int = 32
-    anchor_bits: int = DEFAULT_ANCHOR_BITS
+    #: ``--anchor-bits 4,3``: LYNX splits ``(b, 8 - b)``; None when not given
+    anchor_bits: tuple[int, ...] | None = None
+    #: ``--planes 4,4 2,2,4``: LYNX splits; None when not given (never with ``anchor_bits``)
+    planes: tuple[tuple[int, ...], ...] | None = None
     link: LinkMode = LinkMode.SHAPER
     repeats: int = 3
     out: Path = Path("sweep-out")
     seed: int = 0
     #: the nodes' timeouts (``--*-timeout`` flags), handed to both node processes
     timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
+
+    @property
+    def splits(self) -> tuple[tuple[int, ...], ...]:
+        """The LYNX splits to run, in the order given (the default split when none was)."""
+        if self.planes is not None:
+            return tuple(tuple(p) for p in self.planes)
+        if self.anchor_bits is not None:
+            return tuple((b, 8 - b) for b in self.anchor_bits)
+        return (DEFAULT_PLANES,)
+
+    @property
+    def sweep_schemes(self) -> tuple[SweepScheme, ...]:
+        """``schemes`` as run, in order, ``lynx`` expanded into one scheme per split."""
+        out: list[SweepScheme] = []
+        for scheme in self.schemes:
+            if scheme == "lynx":
+                splits = self.splits
+                out += [SweepScheme(lynx_scheme_name(p, splits), "lynx", p) for p in splits]
+            else:
+                out.append(SweepScheme(scheme, scheme))
+        return tuple(out)
 
     def validate(self, max_context: int | None = None) -> SweepConfig:
         """Raise :class:`ConfigError` naming the first bad field; returns self."""
@@ -56,6 +122,9 @@ class SweepConfig:
         for scheme in self.schemes:
             if scheme not in SCHEMES:
                 raise ConfigError(f"--schemes: unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+            if self.schemes.count(scheme) > 1:
+                raise ConfigError(f"--schemes: {scheme} is listed twice")
+        self._validate_splits()
         if not self.contexts:
             raise ConfigError("--contexts: give at least one context length")
         for ctx in self.contexts:
@@ -69,15 +138,42 @@ class SweepConfig:
                                  ("--repeats", self.repeats, 1)):
             if value < low:
                 raise ConfigError(f"{name}: must be at least {low}, got {value}")
-        if self.anchor_bits not in ANCHOR_BITS:
-            raise ConfigError(f"--anchor-bits: must be in {MIN_BITS}..{MAX_BITS}, got {self.anchor_bits}")
         check_writable_dir(self.out, "--out")
         return self
+
+    def _validate_splits(self) -> None:
+        if self.anchor_bits is not None and self.planes is not None:
+            raise ConfigError("--planes and --anchor-bits are mutually exclusive: give the splits with one of them")
+        flag, given = ("--planes", self.planes) if self.planes is not None else ("--anchor-bits", self.anchor_bits)
+        if given is None:
+            return
+        if not given:
+            raise ConfigError(f"{flag}: give at least one split")
+        if self.anchor_bits is not None:
+            for bits in self.anchor_bits:
+                if isinstance(bits, bool) or not isinstance(bits, int) or bits not in ANCHOR_BITS:
+                    raise ConfigError(f"{flag}: anchor bits must be in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
+        else:
+            for split in given:
+                try:
+                    check_planes(split)
+                except CodecError as exc:
+                    raise ConfigError(f"{flag}: {exc}") from None
+        seen: set[tuple[int, ...]] = set()
+        for split in self.splits:
+            if split in seen:
+                raise ConfigError(f"{flag}: the split {','.join(map(str, split))} is listed twice")
+            seen.add(split)
+        if "lynx" not in self.schemes:
+            raise ConfigError(f"{flag}: sets LYNX splits, but lynx is not among --schemes "
+                              f"({','.join(self.schemes)})")
 
     def to_json(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
         d["link"] = self.link.value
         d["out"] = str(self.out)
+        d["splits"] = [list(p) for p in self.splits]
+        d["sweep_schemes"] = [s.name for s in self.sweep_schemes]
         return d
 
 
@@ -97,6 +193,18 @@ def parse_ints(text: str, flag: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise ConfigError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+def parse_planes_flag(texts: list[str] | tuple[str, ...], flag: str = "--planes") -> tuple[tuple[int, ...], ...]:
+    """``["4,4", "2,2,4"]`` -> ``((4, 4), (2, 2, 4))``; a bad split raises
+    :class:`ConfigError` naming ``flag`` with :func:`parse_planes`' reason."""
+    out = []
+    for text in texts:
+        try:
+            out.append(parse_planes(text))
+        except CodecError as exc:
+            raise ConfigError(f"{flag}: {exc}") from None
+    return tuple(out)
 
 
 def check_writable_dir(path: Path, flag: str) -> None:

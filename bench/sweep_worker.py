@@ -7,10 +7,15 @@ stdout too, e.g. from UCX, and is ignored by the driver). The first line it
 prints is ``READY {json}`` with the model's facts, so the driver can validate
 context lengths before any run starts.
 
-A job: ``{"context", "prompt_id", "seed", "scheme", "bandwidth_gbps",
-"new_tokens", "anchor_bits"}``. The pass-key prompt of ``(context, prompt_id,
-seed)`` is built here with the model's tokenizer (deterministic) and cached.
-A failed run answers ``RESULT {"error": "..."}``; the worker carries on.
+A job: ``{"context", "prompt_id", "seed", "scheme", "planes", "bandwidth_gbps",
+"new_tokens"}``: ``scheme`` is the codec's (``lynx`` for every LYNX split) and
+``planes`` the LYNX split as a list of widths (null for other schemes). The
+pass-key prompt of ``(context, prompt_id, seed)`` is built here with the model's
+tokenizer (deterministic) and cached. A result holds the decode node's metrics,
+``text``, ``tokens``, ``planes`` (as asked) and ``first_tentative_token``: the
+first :class:`~lynx_decode.events.Tentative` token of the run (null when nothing
+was drafted). A failed run answers ``RESULT {"error": "..."}``; the worker
+carries on.
 """
 
 from __future__ import annotations
@@ -51,14 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server = host_port(args.connect, flag="--connect")
     model = load_model(args)
-    from lynx_decode.codec_config import Scheme  # noqa: PLC0415
+    from lynx_decode.codec.config import Scheme  # noqa: PLC0415
     from lynx_decode.decode_node import DecodeNode  # noqa: PLC0415
+    from lynx_decode.events import Event, Tentative  # noqa: PLC0415
 
     info = model.info
     cases: dict[tuple[int, int], PassKeyCase] = {}
     with DecodeNode(model, host=args.listen_host, timeouts=timeouts(args),
                     config=transport_config(args)) as node:
-        _emit("READY", {"model_id": info.model_id, "max_positions": info.max_positions})
+        head_s = model.lm_head_s()
+        _emit("READY", {"model_id": info.model_id, "max_positions": info.max_positions, "lm_head_s": head_s})
         for line in sys.stdin:
             if not line.strip():
                 continue
@@ -70,18 +77,41 @@ def main(argv: list[str] | None = None) -> int:
                                                            key[1])):
                         cases[(key[0], key[1] + i)] = case
                 case = cases[(key[0], key[1] + int(job["prompt_id"]))]
+                planes = None if job.get("planes") is None else tuple(int(w) for w in job["planes"])
+                first_tentative: list[int] = []
+
+                def on_event(event: Event, seen: list[int] = first_tentative) -> None:
+                    if isinstance(event, Tentative) and not seen:
+                        seen.append(event.token)
+
                 result = node.run(server, model.tokenize(case.prompt),
                                   scheme=Scheme(job["scheme"]),
                                   max_new_tokens=int(job["new_tokens"]),
-                                  anchor_bits=int(job["anchor_bits"]),
-                                  bandwidth_gbps=job["bandwidth_gbps"])
+                                  planes=planes,
+                                  bandwidth_gbps=job["bandwidth_gbps"],
+                                  on_event=on_event)
             except LynxError as exc:
                 _emit("RESULT", {"error": f"{type(exc).__name__}: {exc}"})
                 continue
-            _emit("RESULT", {**result.metrics, "text": result.text, "tokens": list(result.tokens),
+            _emit("RESULT", {**result.metrics, "planes": None if planes is None else list(planes),
+                             "physical_limit_s": physical_limit(result.metrics, job["bandwidth_gbps"],
+                                                                head_s, info.num_layers),
+                             "first_tentative_token": first_tentative[0] if first_tentative else None,
+                             "text": result.text, "tokens": list(result.tokens),
                              "accuracy": score(result.text, case.key), "key": case.key,
                              "depth": case.depth, "prompt_tokens": case.n_tokens})
     return 0
+
+
+def physical_limit(m: dict[str, Any], gbps: float | None, head_s: float, layers: int) -> float | None:
+    """The first token's physical limit for this run: its anchor-lane bytes at the link
+    rate, plus one layer and the LM head. A layer is this run's decode step (its greedy
+    steps on the exact cache: ``(e2e - ttfct) / steps``) less the head, over the layers."""
+    steps = m["new_tokens"] - 1 - (m.get("accepted") or 0)
+    if gbps is None or m.get("ttfct_s") is None or steps < 1:
+        return None
+    step = (m["e2e_s"] - m["ttfct_s"]) / steps
+    return float(m["bytes_anchor"] * 8 / (gbps * 1e9) + max(0.0, step - head_s) / layers + head_s)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 // CUDA kernels of the Lynx KV codec: the GPU twins of the NumPy reference in
-// lynx_decode/codec_pack.py and codec_quant.py (same format, bit for bit).
+// lynx_decode/codec/pack.py and codec/quant.py (same format, bit for bit).
 // Compiled at run time by CuPy (NVRTC, no headers) and checked by check_nvcc.sh.
 //
 // Packing: 64 values form a block of 8 little-endian uint64 words (one value per
@@ -19,10 +19,12 @@ typedef unsigned char u8;
 #define LYNX_SUB(a, b) __fsub_rn((a), (b))
 #define LYNX_MUL(a, b) __fmul_rn((a), (b))
 #define LYNX_ADD(a, b) __fadd_rn((a), (b))
+#define LYNX_DIV(a, b) __fdiv_rn((a), (b))
 #else
 #define LYNX_SUB(a, b) ((a) - (b))
 #define LYNX_MUL(a, b) ((a) * (b))
 #define LYNX_ADD(a, b) ((a) + (b))
+#define LYNX_DIV(a, b) ((a) / (b))
 #endif
 
 // word m of the packed block of lane values ((x[i] >> shift) & mask)
@@ -123,6 +125,21 @@ __host__ __device__ __forceinline__ float lynx_dequant_one(u8 value, float mult,
     return LYNX_ADD(LYNX_MUL(code, scale), zero);
 }
 
+// occ-mean: the code at which an end bin holding n members of its group is rebuilt, as a
+// distance from the group's edge, r missing bits: float((n-1) * (2^r - 1)) / float(2n),
+// both integers exact in fp32, one correctly rounded division (n == 0: 0, never read)
+__host__ __device__ __forceinline__ float lynx_end_inset(int n, int rbits) {
+    const int m = n > 1 ? n : 1;
+    return LYNX_DIV(static_cast<float>((m - 1) * ((1 << rbits) - 1)), static_cast<float>(2 * m));
+}
+
+// the code of prefix value v (= q >> shift): lo / hi in the end bins (0 and top), else v * mult + offset
+__host__ __device__ __forceinline__ float lynx_end_code(u8 v, float mult, float offset, u8 top, float lo, float hi) {
+    if (v == 0) return lo;
+    if (v == top) return hi;
+    return LYNX_ADD(LYNX_MUL(static_cast<float>(v), mult), offset);
+}
+
 // The kernels' bodies, one call per thread index (also run on the host by the tests).
 __host__ __device__ __forceinline__ void lynx_split_at(long long blk, const u64 *codes, u64 *anchor, u64 *residual,
                                                        long long nblk, int wa) {
@@ -159,6 +176,55 @@ __host__ __device__ __forceinline__ void lynx_dequant_at(long long i, const u8 *
     out[i] = lynx_dequant_one(values[i], mult, offset, scale[p], zero[p]);
 }
 
+// one quantization group g (flat index into the group-shaped params): count its members whose
+// prefix value is 0 / top and write their occ-mean codes lo[g] = inset(n_lo), hi[g] = 255 - inset(n_hi).
+// K (kind 0): channel d over tokens [t0, t0 + group); V (kind 1): token over channels [d0, d0 + group)
+__host__ __device__ __forceinline__ void lynx_end_codes_at(long long g, const u8 *values, float *lo, float *hi,
+                                                           int heads, int tokens, int dim, int group, int kind,
+                                                           int shift, long long ngroups) {
+    if (g >= ngroups || heads <= 0) return;
+    const u8 top = static_cast<u8>(255 >> shift);
+    long long first;
+    long long stride;
+    int count;
+    if (kind == 0) {
+        const long long groups = (tokens + group - 1) / group;
+        const long long d = g % dim;
+        const long long hg = g / dim;
+        const long long t0 = (hg % groups) * group;
+        first = ((hg / groups) * tokens + t0) * dim + d;
+        stride = dim;
+        count = static_cast<int>((tokens - t0 < group) ? tokens - t0 : group);
+    } else {
+        const long long groups = (dim + group - 1) / group;
+        const long long d0 = (g % groups) * group;
+        first = (g / groups) * dim + d0;
+        stride = 1;
+        count = static_cast<int>((dim - d0 < group) ? dim - d0 : group);
+    }
+    int n_lo = 0;
+    int n_hi = 0;
+    for (int j = 0; j < count; ++j) {
+        const u8 v = values[first + j * stride];
+        n_lo += (v == 0);
+        n_hi += (v == top);
+    }
+    lo[g] = lynx_end_inset(n_lo, shift);
+    hi[g] = LYNX_SUB(255.0f, lynx_end_inset(n_hi, shift));
+}
+
+// as lynx_dequant_at, the end bins at their group's occ-mean codes lo / hi (group-shaped)
+__host__ __device__ __forceinline__ void lynx_dequant_ends_at(long long i, const u8 *values, float mult, float offset,
+                                                              int top, const float *lo, const float *hi,
+                                                              const float *scale, const float *zero, float *out,
+                                                              int heads, int tokens, int dim, int group, int kind,
+                                                              long long n) {
+    if (i >= n || heads <= 0) return;
+    const long long p = lynx_param_index(i, tokens, dim, group, kind);
+    const float code = lynx_end_code(values[i], mult, offset, static_cast<u8>(top), lo[p], hi[p]);
+    out[i] = LYNX_ADD(LYNX_MUL(code, scale[p]), zero[p]);
+}
+
 __device__ __forceinline__ long long lynx_index() {
     return static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
@@ -190,4 +256,17 @@ extern "C" __global__ void lynx_dequant(const u8 *values, float mult, float offs
                                         const float *zero, float *out, int heads, int tokens, int dim, int group,
                                         int kind, long long n) {
     lynx_dequant_at(lynx_index(), values, mult, offset, scale, zero, out, heads, tokens, dim, group, kind, n);
+}
+
+// occ-mean (a prefix of a Split.MSB layer): one thread per quantization group, then one per element
+extern "C" __global__ void lynx_end_codes(const u8 *values, float *lo, float *hi, int heads, int tokens, int dim,
+                                          int group, int kind, int shift, long long ngroups) {
+    lynx_end_codes_at(lynx_index(), values, lo, hi, heads, tokens, dim, group, kind, shift, ngroups);
+}
+
+extern "C" __global__ void lynx_dequant_ends(const u8 *values, float mult, float offset, int top, const float *lo,
+                                             const float *hi, const float *scale, const float *zero, float *out,
+                                             int heads, int tokens, int dim, int group, int kind, long long n) {
+    lynx_dequant_ends_at(lynx_index(), values, mult, offset, top, lo, hi, scale, zero, out, heads, tokens, dim, group,
+                         kind, n);
 }

@@ -1,6 +1,6 @@
 """Fused per-layer Numba kernels: one pass from fp32 K or V to the layer's wire
 regions (encode), and one pass from the regions to fp32 (decode). Same format,
-bit for bit, as the NumPy reference (``lynx_decode.codec_quant`` /
+bit for bit, as the NumPy reference (``lynx_decode.codec.quant`` /
 ``codec_pack``); fp32 arithmetic one IEEE operation at a time, no FMA.
 
 Why fused and serial. A layer is ~6 MB per tensor; the unfused path ran six
@@ -17,7 +17,11 @@ L1/L2 (one K group of ``k_group`` tokens, or a run of V rows, of one head):
   the wire region;
 - decode: the unit's blocks are unpacked (or merged with the residual) into the
   window, then dequantized straight into the output, whose heads may sit
-  ``head_stride`` values apart (a model cache with headroom).
+  ``head_stride`` values apart (a model cache with headroom). An anchor-only
+  decode with occ-mean (``DEC_ANCHOR_OCC``, ``Split.MSB``) first counts, in the
+  window, each group's anchors in the bottom and top bins (K: one count per
+  channel over the unit's rows; V: one per row and channel group), then rebuilds
+  those bins at their occupancy codes (``codec.quant`` module doc).
 
 Kernels run on the calling thread (``nogil``: no lock, no thread pool, safe to
 call from several threads at once). ``mode`` selects the scheme; the packing
@@ -31,9 +35,11 @@ from numba import njit
 
 from lynx_kernels._nt import f16_round, f16_widen
 from lynx_kernels.cpu_pack import _pack_word, _unpack_word
+from lynx_kernels.cpu_quant import _end_code, end_inset
 
 __all__ = [
     "ENC_INT8", "ENC_INT4", "ENC_LYNX", "ENC_ANCHOR", "ENC_RESIDUAL", "DEC_INT8", "DEC_INT4", "DEC_ANCHOR", "DEC_FULL",
+    "DEC_ANCHOR_OCC",
     "encode_k", "encode_v", "decode_k", "decode_v", "to_bf16", "from_bf16", "f16_bits", "f16_value",
 ]  # fmt: skip
 
@@ -42,6 +48,9 @@ ENC_INT8, ENC_INT4, ENC_LYNX = 0, 1, 2
 #: (scale/zero still written, into whatever arrays are passed). Same bits as ENC_LYNX.
 ENC_ANCHOR, ENC_RESIDUAL = 3, 4
 DEC_INT8, DEC_INT4, DEC_ANCHOR, DEC_FULL = 0, 1, 2, 3
+#: The anchors alone with occ-mean end bins (``Split.MSB``); ``DEC_ANCHOR`` takes
+#: every bin at ``a * mult + offset`` (``Split.ROUNDED``'s b-bit levels).
+DEC_ANCHOR_OCC = 4
 
 _REP = 0x0101010101010101
 _UNIT = 4096  # values per V unit (whole rows); a K unit is one token group
@@ -388,7 +397,7 @@ def _values(mode, bits, a64, r64, b0, nb, win):  # pragma: no cover - compiled
     # (not inlined, like _flush)
     if mode == DEC_INT4:
         _unpack_blocks(a64, b0, nb, win, 4)
-    elif mode == DEC_ANCHOR:
+    elif mode in (DEC_ANCHOR, DEC_ANCHOR_OCC):
         if bits == 4:
             _unpack_blocks(a64, b0, nb, win, 4)
         elif bits == 2:
@@ -422,17 +431,45 @@ def _source(mode, bits, data, a64, r64, win, base, count):  # pragma: no cover -
     return win, base - b0 * 64
 
 
+@njit(inline="always", cache=True)
+def _count_k(src, off, rows, dim, top, c8lo, c8hi, nlo, nhi):  # pragma: no cover - compiled
+    # per channel, how many of the unit's rows hold anchor 0 / top: byte counters over
+    # up to 255 rows at a time (four times the lanes of int32 ones), then widened
+    nlo[:] = 0
+    nhi[:] = 0
+    for t0 in range(0, rows, 255):
+        c8lo[:] = 0
+        c8hi[:] = 0
+        for t in range(t0, min(rows, t0 + 255)):
+            vr = src[off + t * dim : off + (t + 1) * dim]
+            for d in range(dim):
+                c8lo[d] += vr[d] == 0
+                c8hi[d] += vr[d] == top
+        for d in range(dim):
+            nlo[d] += c8lo[d]
+            nhi[d] += c8hi[d]
+
+
 @njit(nogil=True, cache=True)
 def decode_k(  # pragma: no cover - compiled
     data, residual, tokens, dim, group, mode, bits, mult, offset, scale, zero, out, head_stride
 ):
     """``out[h*head_stride + t*D + d]`` = ``(value*mult + offset) * scale + zero`` of K
-    (params [H*G*D] fp16 bits). ``data`` is the INT8 codes or the packed INT4 /
-    anchor region, ``residual`` the packed residual (``DEC_FULL``)."""
+    (params [H*G*D] fp16 bits); ``DEC_ANCHOR_OCC``: the end bins at their group's
+    occ-mean codes. ``data`` is the INT8 codes or the packed INT4 / anchor region,
+    ``residual`` the packed residual (``DEC_FULL``)."""
     groups = -(-tokens // group)
     heads = scale.size // (groups * dim)
     s = np.empty(dim, np.float32)
     z = np.empty(dim, np.float32)
+    nlo = np.empty(dim, np.int32)
+    nhi = np.empty(dim, np.int32)
+    c8lo = np.empty(dim, np.uint8)
+    c8hi = np.empty(dim, np.uint8)
+    lo = np.empty(dim, np.float32)
+    hi = np.empty(dim, np.float32)
+    top = np.uint8((1 << bits) - 1)
+    rbits = 8 - bits
     win = np.empty(_window(min(group, tokens) * dim), np.uint8)
     a64 = data.view(np.uint64) if mode != DEC_INT8 else data[:0].view(np.uint64)
     r64 = residual.view(np.uint64)
@@ -447,6 +484,18 @@ def decode_k(  # pragma: no cover - compiled
                 z[d] = _from_f16(zero[p + d])
             src, off = _source(mode, bits, data, a64, r64, win, base, rows * dim)
             o = h * head_stride + t0 * dim
+            if mode == DEC_ANCHOR_OCC:
+                _count_k(src, off, rows, dim, top, c8lo, c8hi, nlo, nhi)
+                for d in range(dim):
+                    lo[d] = end_inset(nlo[d], rbits)
+                    hi[d] = np.float32(255) - end_inset(nhi[d], rbits)
+                for t in range(rows):
+                    vr = src[off + t * dim : off + (t + 1) * dim]
+                    orow = out[o + t * dim : o + (t + 1) * dim]
+                    for d in range(dim):
+                        code = _end_code(vr[d], mult, offset, top, lo[d], hi[d])
+                        orow[d] = np.float32(code * s[d]) + z[d]
+                continue
             for t in range(rows):
                 vr = src[off + t * dim : off + (t + 1) * dim]
                 orow = out[o + t * dim : o + (t + 1) * dim]
@@ -462,6 +511,8 @@ def decode_v(  # pragma: no cover - compiled
     """As :func:`decode_k` for V (params [H*T*Gv] fp16 bits)."""
     groups = -(-dim // group)
     heads = scale.size // (groups * tokens)
+    top = np.uint8((1 << bits) - 1)
+    rbits = 8 - bits
     unit = max(1, _UNIT // dim)
     win = np.empty(_window(min(unit, tokens) * dim), np.uint8)
     s = np.empty(min(unit, tokens) * groups, np.float32)
@@ -487,6 +538,18 @@ def decode_v(  # pragma: no cover - compiled
                     d0 = g * group
                     vs = vr[d0 : min(dim, d0 + group)]  # a slice per group: the loop vectorizes
                     os = orow[d0 : min(dim, d0 + group)]
+                    if mode == DEC_ANCHOR_OCC:
+                        nlo = np.int32(0)
+                        nhi = np.int32(0)
+                        for d in range(vs.size):
+                            nlo += np.int32(vs[d] == 0)
+                            nhi += np.int32(vs[d] == top)
+                        lg = end_inset(nlo, rbits)
+                        hg = np.float32(255) - end_inset(nhi, rbits)
+                        for d in range(vs.size):
+                            code = _end_code(vs[d], mult, offset, top, lg, hg)
+                            os[d] = np.float32(code * sg) + zg
+                        continue
                     for d in range(vs.size):
                         code = np.float32(np.float32(vs[d]) * mult) + offset
                         os[d] = np.float32(code * sg) + zg

@@ -22,9 +22,12 @@ from numba import njit, prange
 
 from lynx_kernels._nt import store_fence, stream_store
 
-__all__ = ["split_kernel", "merge_kernel", "unpack_kernel", "pack_kernel", "WIDTHS"]
+__all__ = ["split_kernel", "merge_kernel", "unpack_kernel", "pack_kernel", "WIDTHS", "SPLIT_WIDTHS"]
 
-WIDTHS = (2, 3, 4, 5, 6)
+#: Plane widths with a pack/unpack kernel.
+WIDTHS = (1, 2, 3, 4, 5, 6)
+#: Anchor widths with a split/merge kernel (two-plane splits).
+SPLIT_WIDTHS = (2, 3, 4, 5, 6)
 _REP = 0x0101010101010101
 _CHUNK = 2048  # blocks per parallel work item (128 KiB of codes); each item ends with a fence
 
@@ -184,14 +187,44 @@ def _unpack6(p, v):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True)
+def _unpack1(p, v):  # pragma: no cover - compiled
+    _unpack(p, v, 1)
+
+
+@njit(parallel=True, cache=True)
+def _pack1(v, p):  # pragma: no cover - compiled
+    _pack(v, p, 1)
+
+
+@njit(parallel=True, cache=True)
+def _pack2(v, p):  # pragma: no cover - compiled
+    _pack(v, p, 2)
+
+
+@njit(parallel=True, cache=True)
+def _pack3(v, p):  # pragma: no cover - compiled
+    _pack(v, p, 3)
+
+
+@njit(parallel=True, cache=True)
 def _pack4(v, p):  # pragma: no cover - compiled
     _pack(v, p, 4)
 
 
+@njit(parallel=True, cache=True)
+def _pack5(v, p):  # pragma: no cover - compiled
+    _pack(v, p, 5)
+
+
+@njit(parallel=True, cache=True)
+def _pack6(v, p):  # pragma: no cover - compiled
+    _pack(v, p, 6)
+
+
 _SPLIT = {2: _split2, 3: _split3, 4: _split4, 5: _split5, 6: _split6}
 _MERGE = {2: _merge2, 3: _merge3, 4: _merge4, 5: _merge5, 6: _merge6}
-_UNPACK = {2: _unpack2, 3: _unpack3, 4: _unpack4, 5: _unpack5, 6: _unpack6}
-_PACK = {4: _pack4}
+_UNPACK = {1: _unpack1, 2: _unpack2, 3: _unpack3, 4: _unpack4, 5: _unpack5, 6: _unpack6}
+_PACK = {1: _pack1, 2: _pack2, 3: _pack3, 4: _pack4, 5: _pack5, 6: _pack6}
 
 
 def split_kernel(bits: int) -> Callable[[Any, Any, Any], None]:
@@ -210,5 +243,5 @@ def unpack_kernel(width: int) -> Callable[[Any, Any], None]:
 
 
 def pack_kernel(width: int) -> Callable[[Any, Any], None]:
-    """``k(values, packed)``: one value per byte -> ``width``-bit fields (width 4 only)."""
+    """``k(values, packed)``: one value per byte -> ``width``-bit fields."""
     return _PACK[width]

@@ -1,12 +1,10 @@
-"""lynx_decode: KV semantics. The hierarchical anchor/residual codec, KV streams
+"""lynx_decode: KV semantics. The hierarchical codec (a table of bit planes), KV streams
 over lynx_transport, and speculative decoding on a real model.
 
 Importing it does not import torch, transformers or ucxx (they load on first use).
 """
 
-from lynx_decode.codec import decode_layer, encode_layer
-from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Split, Stream
-from lynx_decode.codec_layout import CacheLayout, LayerLayout
+from lynx_decode.codec import Backend, CacheLayout, CodecConfig, LayerLayout, Scheme, Split, decode_layer, encode_layer
 from lynx_decode.decode_node import DecodeNode, RunResult
 from lynx_decode.errors import CodecError, DecodeError
 from lynx_decode.events import Committed, Done, Rollback, Tentative
@@ -22,7 +20,6 @@ __all__ = [
     "CodecConfig",
     "Scheme",
     "Split",
-    "Stream",
     "Backend",
     "encode_layer",
     "decode_layer",

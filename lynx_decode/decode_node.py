@@ -30,18 +30,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from lynx_decode.codec_config import DEFAULT_ANCHOR_BITS, Scheme
+from lynx_decode.codec.config import DEFAULT_ANCHOR_BITS, CodecConfig, Scheme
+from lynx_decode.codec.layout import LayerLayout
 from lynx_decode.errors import DecodeError, PromptError, ServerBusyError
 from lynx_decode.events import Event, Tentative
-from lynx_decode.kvstream import KVAssembler, KVHeader, warm_up_codec
+from lynx_decode.kvstream import KVAssembler, KVHeader, lane_of, level_names, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import BUSY_PREFIX, KVRequest, PromptKind, parse_error_reply
 from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull, generate
+from lynx_decode.split_choice import DEFAULT_STEP_S, SplitChoice, choose_split
 from lynx_decode.timeouts import Timeouts
 from lynx_transport import Lane, ReceivedRegion, ReceivePool, ReceiveStream, TransportConfig
 from lynx_transport.errors import ClosedError, LynxError, StreamFailedError, TransportError
@@ -96,6 +98,9 @@ class DecodeNode:
         self._lane_done: dict[int, dict[int, float]] = {}
         self._release_on_complete: set[int] = set()
         self._kv_free: dict[tuple[str, KVShape, int], list[KVBuffers]] = {}
+        #: what ``planes="auto"`` knows: the link rate seen per server, the decode step seen
+        self._seen_gbps: dict[tuple[str, int], float] = {}
+        self._seen_step_s: float | None = None
         self._conns: dict[tuple[str, int], Sender] = {}
         self._lock = threading.Lock()
         self._conn_lock = threading.Lock()
@@ -204,14 +209,15 @@ class DecodeNode:
                     free.append(kv)
 
     def prepare(self, prompt_tokens: int, *, max_new_tokens: int = 32,
-                max_draft: int = DEFAULT_MAX_DRAFT) -> None:
-        """Allocate and pre-fault the cache buffers for a prompt of ``prompt_tokens`` tokens
-        before asking for it (``run`` does this when it is given token ids), so page
-        faults of fresh memory are not counted in the time to first token."""
+                max_draft: int = DEFAULT_MAX_DRAFT, planes: int = 2) -> None:
+        """Allocate and pre-fault the cache buffers (one set per level of a stream of
+        ``planes`` planes) for a prompt of ``prompt_tokens`` tokens before asking for
+        it (``run`` does this when it is given token ids), so page faults of fresh
+        memory are not counted in the time to first token."""
         headroom = max_new_tokens + max_draft + 2
         shape = self.model.info.kv_shape(prompt_tokens - 1)
         with self._lock:
-            ready = {name: bool(self._kv_free.get((name, shape, headroom))) for name in ("draft", "full")}
+            ready = {name: bool(self._kv_free.get((name, shape, headroom))) for name in level_names(planes)}
         made = [((name, shape, headroom), KVBuffers(shape, headroom=headroom).prefault())
                 for name, have in ready.items() if not have]
         self._give_back(made)
@@ -219,9 +225,10 @@ class DecodeNode:
     # -- one run ---------------------------------------------------------------------------
 
     def run(self, server: tuple[str, int], prompt: str | list[int], *, scheme: Scheme,
-            max_new_tokens: int = 32, anchor_bits: int = DEFAULT_ANCHOR_BITS, kind: PromptKind = "text",
+            max_new_tokens: int = 32, anchor_bits: int = DEFAULT_ANCHOR_BITS,
+            planes: tuple[int, ...] | Literal["auto"] | None = None, kind: PromptKind = "text",
             bandwidth_gbps: float | None = None, max_draft: int = DEFAULT_MAX_DRAFT,
-            on_missing_residual: MissingFull = MissingFull.FAIL, hold_residual: bool = True,
+            on_missing_residual: MissingFull = MissingFull.FAIL, hold_residual: bool = False,
             on_event: Callable[[Event], None] | None = None) -> RunResult:
         """Request ``prompt``'s cache from ``server`` and decode ``max_new_tokens`` tokens.
 
@@ -235,10 +242,19 @@ class DecodeNode:
         raises; ``MissingFull.UNVERIFIED`` finishes on the anchors and returns the
         tokens with ``metrics["verified"] = False`` (events: ``Unverified``).
 
-        ``hold_residual`` (LYNX with drafting): the prefill node sends the
-        residual lane only once this node drafted its first token, so the
-        residual's reception does not compete with the first model step for
-        the CPU; it costs the link only the time of that step's last layers.
+        ``planes``: the LYNX split (default ``(anchor_bits, 8 - anchor_bits)``);
+        ``"auto"`` (with ``scheme=LYNX``) chooses it for the link and the prompt
+        (:func:`lynx_decode.split_choice.choose_split`: from ``bandwidth_gbps``, else
+        the rate seen on this server's earlier streams, and the decode step seen on
+        earlier runs), possibly no split at all (then the run is INT8);
+        ``metrics["split_choice"]`` says what was chosen and why.
+        ``hold_residual`` (LYNX with drafting; default off): the prefill node sends
+        the lanes after the anchor's only once this node drafted its first token,
+        so their reception does not compete with the first model step for the
+        CPU; it costs the link the time of that step's last layers and a round
+        trip. Off, the residual follows the anchors at once and the verify pass
+        rides on its arrival (measured at 1 Gbit/s, 4k tokens: the same clocks
+        within noise either way; docs/design.md).
         """
         request_id = uuid.uuid4().hex
         if isinstance(prompt, str):
@@ -250,21 +266,57 @@ class DecodeNode:
                 raise PromptError(f"the prompt has {len(prompt)} tokens; with {max_new_tokens} new "
                                   f"tokens it exceeds the model's context window of {limit}")
             payload = np.asarray(prompt, dtype="<i4").tobytes()
-            self.prepare(len(prompt), max_new_tokens=max_new_tokens, max_draft=max_draft)
+        choice = None
+        if planes == "auto":
+            if scheme is Scheme.LYNX:
+                choice = self._choose_split(server, prompt, kind, bandwidth_gbps)
+                scheme = Scheme.LYNX if choice.planes is not None else Scheme.INT8
+            planes = None if choice is None else choice.planes
+        split = (CodecConfig(planes=planes) if planes is not None else CodecConfig(bits=anchor_bits)).planes
+        if isinstance(prompt, list):
+            self.prepare(len(prompt), max_new_tokens=max_new_tokens, max_draft=max_draft,
+                         planes=len(split) if scheme is Scheme.LYNX else 1)
         hold = hold_residual and scheme is Scheme.LYNX and max_draft > 0
-        request = KVRequest(request_id, scheme, anchor_bits, kind, self.address, bandwidth_gbps,
+        request = KVRequest(request_id, scheme, split, kind, self.address, bandwidth_gbps,
                             hold_residual=hold)
         waiting = _Pending(cf.Future(), max_new_tokens + max_draft + 2)
         with self._lock:
             self._pending[request_id] = waiting
         try:
-            return self._run(server, request, payload, waiting, max_new_tokens=max_new_tokens,
-                             max_draft=max_draft, hold=hold, on_missing_residual=on_missing_residual,
-                             on_event=on_event)
+            result = self._run(server, request, payload, waiting, max_new_tokens=max_new_tokens,
+                               max_draft=max_draft, hold=hold, on_missing_residual=on_missing_residual,
+                               on_event=on_event)
+            self._learn(server, result.metrics)
+            result.metrics["planes"] = list(split) if scheme is Scheme.LYNX else None
+            result.metrics["split_choice"] = None if choice is None else choice.reason
+            return result
         finally:
             with self._lock:
                 self._pending.pop(request_id, None)
             self._give_back(waiting.buffers)
+
+    def _choose_split(self, server: tuple[str, int], prompt: str | list[int], kind: PromptKind,
+                      bandwidth_gbps: float | None) -> SplitChoice:
+        if isinstance(prompt, list):
+            tokens = len(prompt)
+        else:
+            tokens = len(self.model.chat_prompt(prompt) if kind == "chat" else self.model.tokenize(prompt))
+        shape = self.model.info.kv_shape(max(1, tokens - 1))
+        layer = LayerLayout.build(CodecConfig(Scheme.INT8), shape.kv_heads, shape.tokens, shape.head_dim)
+        rate = bandwidth_gbps if bandwidth_gbps is not None else self._seen_gbps.get(server)
+        if rate is None:  # nothing known about this link yet: the default split
+            return SplitChoice((DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS), float("nan"), float("nan"))
+        return choose_split(shape.num_layers * layer.plane_size(0), rate, self._seen_step_s or DEFAULT_STEP_S)
+
+    def _learn(self, server: tuple[str, int], m: dict[str, Any]) -> None:
+        """Remember the link rate and the decode step this run saw (for ``planes="auto"``)."""
+        ends = [t for t in (m.get("transfer_anchor_s"), m.get("transfer_residual_s")) if t]
+        if ends and m.get("bytes_total"):
+            self._seen_gbps[server] = m["bytes_total"] * 8 / max(ends) / 1e9
+        steps = m["new_tokens"] - 1 - (m.get("accepted") or 0)
+        if m.get("ttfct_s") is not None and steps > 0:
+            step = (m["e2e_s"] - m["ttfct_s"]) / steps
+            self._seen_step_s = step if self._seen_step_s is None else 0.5 * (self._seen_step_s + step)
 
     def _run(self, server: tuple[str, int], request: KVRequest, payload: bytes, waiting: _Pending, *,
              max_new_tokens: int, max_draft: int, hold: bool, on_missing_residual: MissingFull,
@@ -285,7 +337,7 @@ class DecodeNode:
             if isinstance(event, Tentative) and not first_token:
                 first_token.append(time.time())
                 if hold:  # the first token is out: let the residual come ...
-                    _release_residual(stream, self.timeout_s)
+                    _release_residual(stream, assembler.num_planes, self.timeout_s)
                 assembler.open_full_gate()  # ... and rebuild the exact cache as it lands
             if on_event is not None:
                 on_event(event)
@@ -300,9 +352,8 @@ class DecodeNode:
                                   full_timeout_s=self.timeouts.residual_s,
                                   on_missing_full=on_missing_residual)
             # the first step starts now and waits inside each layer for its K/V
-            gen = generate(self.model, ids, full=assembler.full, draft=assembler.draft,
-                           config=config, t0=assembler.header.t0_unix, clock=time.time,
-                           on_event=events, early=assembler.filling(config.max_draft > 0))
+            gen = generate(self.model, ids, levels=assembler.levels, config=config,
+                           t0=assembler.header.t0_unix, clock=time.time, on_event=events)
             if gen.metrics.verified:
                 stream.wait(self.timeout_s)
         except StreamFailedError as exc:
@@ -370,9 +421,10 @@ def _result(future: cf.Future[KVAssembler], timeout: float, what: str) -> KVAsse
         raise DecodeError(f"{what} within {timeout} s") from None
 
 
-def _release_residual(stream: ReceiveStream, timeout: float) -> None:
+def _release_residual(stream: ReceiveStream, planes: int, timeout: float) -> None:
     try:
-        stream.release_lane(Lane.RESIDUAL, timeout)
+        for plane in range(1, planes):
+            stream.release_lane(lane_of(plane), timeout)
     except TransportError as exc:  # the stream fails on its own; the run reports that
         log.warning("could not release the residual of stream %d: %s", stream.stream_id, exc)
 
@@ -388,7 +440,6 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
              first_token: list[float], requested_at: float) -> dict[str, Any]:
     m = gen.metrics
     t0 = assembler.header.t0_unix
-    lanes = {int(Lane.ANCHOR): "anchor", int(Lane.RESIDUAL): "residual"}
     out: dict[str, Any] = {
         "scheme": assembler.scheme.value,
         "prompt_tokens": assembler.header.prompt_tokens,
@@ -402,13 +453,21 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
         "full_ready_s": (assembler.timings["full_ready"] - t0
                          if "full_ready" in assembler.timings else None),
         "first_tentative_s": first_token[0] - t0 if first_token else None,
+        # when the first region of plane 1 (the residual's first plane) landed
+        "first_residual_s": (assembler.timings["plane1_first"] - t0
+                             if "plane1_first" in assembler.timings else None),
         # the engine: when it took the full cache (after its draft step in progress)
         # and how long the one verification pass took
         "full_taken_s": m.full_ready_s, "verify_s": m.verify_s,
     }
-    for lane, name in lanes.items():
-        out[f"bytes_{name}"] = sum(r.nbytes for r in assembler.stream.regions if r.lane == lane)
-        out[f"transfer_{name}_s"] = lane_done[lane] - t0 if lane in lane_done else None
+    # "anchor" is lane 0, "residual" every later plane's lane together (done when the last is)
+    anchor_lane = int(Lane.ANCHOR)
+    later = [lane_of(p) for p in range(1, assembler.num_planes)]
+    out["bytes_anchor"] = sum(r.nbytes for r in assembler.stream.regions if r.lane == anchor_lane)
+    out["bytes_residual"] = sum(r.nbytes for r in assembler.stream.regions if r.lane != anchor_lane)
+    out["transfer_anchor_s"] = lane_done[anchor_lane] - t0 if anchor_lane in lane_done else None
+    out["transfer_residual_s"] = (max(lane_done[lane] for lane in later) - t0
+                                  if later and all(lane in lane_done for lane in later) else None)
     out["bytes_total"] = out["bytes_anchor"] + out["bytes_residual"]
     # The clock a user under load feels: from the moment this node sent its request,
     # so the prefill node's queue and prefill count (the *_s above start at t0).

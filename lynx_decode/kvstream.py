@@ -5,31 +5,34 @@ Wire convention (on top of :mod:`lynx_transport`, which moves named byte regions
 
 - the stream's metadata is a :class:`KVHeader` (zlib-compressed JSON, bounded):
   model id, scheme, the prompt length, the clock start ``t0_unix`` and the
-  :class:`~lynx_decode.codec_layout.CacheLayout` of every layer;
+  :class:`~lynx_decode.codec.layout.CacheLayout` of every layer;
 - region ``tokens`` (int32 prompt ids, all of them: the cache covers
   ``ids[:-1]`` and the decode node runs the last one itself) travels first on
   ``Lane.ANCHOR``;
-- region ``L{i}.anchor`` (layer ``i``'s anchor buffer: packed anchors + scales, or
-  the whole INT8/INT4/BF16 layer) on ``Lane.ANCHOR`` and ``L{i}.residual`` on
-  ``Lane.RESIDUAL``.
+- region ``L{i}.p{j}`` (layer ``i``'s buffer of plane ``j``: plane 0 holds the
+  packed top bits + scales, or the whole INT8/INT4/BF16 layer) on lane ``j``:
+  the codec's plane table maps plane ``j`` to lane ``j`` (``Lane.ANCHOR`` is 0).
 
 The sender announces the whole stream first (sizes are known from the layout),
 then encodes layer after layer and supplies each anchor as soon as it is
-encoded, so encoding overlaps the transfer; residuals are supplied after the
+encoded, so encoding overlaps the transfer; later planes are supplied after the
 last anchor, so the anchor lane finishes first even when the encoder, not the
-link, is the bottleneck.
+link, is the bottleneck (and strict lane priority orders the later planes).
 
-The receiver side (:class:`KVAssembler`) runs on the transport's callback thread:
-each landed anchor is dequantized into the *draft* cache, each layer whose anchor
-and residual have both landed into the *full* (exact INT8) cache. Two futures
-resolve when a cache is complete; a failed stream fails the futures that are
-still pending, so the decode engine never waits past a transport error.
+The receiver side (:class:`KVAssembler`) runs on the transport's callback thread.
+A stream of ``P`` planes builds ``P`` caches, one *level* per prefix of planes:
+level ``l`` of a layer is dequantized once planes ``0..l`` of it have landed
+(level 0 is the anchor-only draft, level ``P - 1`` the exact INT8 cache). One
+future per level resolves when its cache is complete; a failed stream fails the
+futures still pending, so the decode engine never waits past a transport error.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -40,44 +43,49 @@ from typing import Any
 import numpy as np
 
 from lynx_decode.codec import decode_layer, encode_layer
-from lynx_decode.codec_config import DEFAULT_ANCHOR_BITS, CodecConfig, Scheme, Stream
-from lynx_decode.codec_layout import CacheLayout, LayerLayout
+from lynx_decode.codec.config import CodecConfig, Scheme
+from lynx_decode.codec.layout import CacheLayout, LayerLayout
 from lynx_decode.errors import DecodeError, LayoutError
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import ModelInfo, Prefill
+from lynx_decode.speculative import CacheLevel
 from lynx_transport import Lane, ReceivedRegion, ReceiveStream, SendStream
 from lynx_transport.errors import LynxError, TransportError
 from lynx_transport.seam import Sender
 
 __all__ = ["KVHeader", "KV_FORMAT", "send_cache", "CacheSend", "KVAssembler", "region_name", "lane_of",
-           "warm_up_codec"]
+           "warm_up_codec", "level_names"]
 
 KV_FORMAT = "lynx-kv-stream"
-KV_VERSION = 1
+KV_VERSION = 2  # 2: one region per plane (L{i}.p{j})
 #: Decompressed metadata larger than this is rejected (no zip bombs).
 MAX_HEADER_BYTES = 4 << 20
 TOKENS = "tokens"
 
-_LANES = {Stream.ANCHOR: Lane.ANCHOR, Stream.RESIDUAL: Lane.RESIDUAL}
+def region_name(layer: int, plane: int) -> str:
+    return f"L{layer}.p{plane}"
 
 
-def region_name(layer: int, stream: Stream) -> str:
-    return f"L{layer}.{stream.value}"
+def lane_of(plane: int) -> int:
+    """The lane of ``plane``: the one place the plane table meets the transport."""
+    return int(Lane.ANCHOR) + plane
 
 
-def lane_of(stream: Stream) -> Lane:
-    return _LANES[stream]
+def level_names(planes: int) -> list[str]:
+    """The names of a stream's cache levels (what ``allocate`` is asked for):
+    ``["full"]`` for one plane, else ``["draft", "draft1", ..., "full"]``."""
+    return [("draft" if i == 0 else f"draft{i}") for i in range(planes - 1)] + ["full"]
 
 
-def _parse_name(name: str, layers: int) -> tuple[int, Stream]:
+def _parse_name(name: str, layers: int, planes: int) -> tuple[int, int]:
     head, _, tail = name.partition(".")
     try:
-        layer, stream = int(head[1:]), Stream(tail)
+        layer, plane = int(head[1:]), int(tail[1:])
     except ValueError:
         raise DecodeError(f"unexpected region {name!r} in a KV stream") from None
-    if not head.startswith("L") or not 0 <= layer < layers:
+    if not head.startswith("L") or not tail.startswith("p") or not 0 <= layer < layers or not 0 <= plane < planes:
         raise DecodeError(f"unexpected region {name!r} in a KV stream")
-    return layer, stream
+    return layer, plane
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +141,8 @@ class KVHeader:
                 raise LayoutError(f"layer {i} is {layer.scheme.value}, the header says {scheme.value}")
             if layer.shape != layout.layers[0].shape:
                 raise LayoutError(f"layer {i} has shape {layer.shape}, layer 0 {layout.layers[0].shape}")
+            if layer.num_planes != layout.layers[0].num_planes:
+                raise LayoutError(f"layer {i} has {layer.num_planes} planes, layer 0 {layout.layers[0].num_planes}")
             if layer.shape[1] != tokens - 1:
                 raise LayoutError(f"layer {i} caches {layer.shape[1]} tokens; a prompt of {tokens} "
                                   f"tokens needs {tokens - 1}")
@@ -151,27 +161,31 @@ class KVHeader:
                               f"model's {info.max_positions} positions")
         return info.kv_shape(tokens)
 
+    @property
+    def num_planes(self) -> int:
+        return self.layout.num_planes
+
     def regions(self) -> list[tuple[str, int, int]]:
-        """``(name, nbytes, lane)`` of every region, anchors (in layer order) first."""
+        """``(name, nbytes, lane)`` of every region, plane by plane (anchors first), each in layer order."""
         out = [(TOKENS, 4 * self.prompt_tokens, int(Lane.ANCHOR))]
-        for stream in (Stream.ANCHOR, Stream.RESIDUAL):
+        for plane in range(self.num_planes):
             for i, layer in enumerate(self.layout.layers):
-                if stream in layer.streams:
-                    out.append((region_name(i, stream), layer.stream_size(stream), int(lane_of(stream))))
+                out.append((region_name(i, plane), layer.plane_size(plane), lane_of(plane)))
         return out
 
 
-def warm_up_codec(bits: int = DEFAULT_ANCHOR_BITS) -> None:
-    """Encode and decode a tiny layer in every scheme, so JIT compilation (or loading
-    Numba's on-disk cache) happens at node start-up, not inside a timed run."""
+def warm_up_codec(planes: tuple[int, ...] | None = None) -> None:
+    """Encode and decode a tiny layer in every scheme (LYNX with ``planes``, default
+    4,4), so JIT compilation (or loading Numba's on-disk cache) happens at node
+    start-up, not inside a timed run."""
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, 70, 16), dtype=np.float32)
     for scheme in (Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX):
-        encoded = encode_layer(k, k, CodecConfig(scheme=scheme, bits=bits if scheme is Scheme.LYNX else 4))
-        anchor = encoded.buffers[Stream.ANCHOR]
-        decode_layer(encoded.layout, anchor)
-        if Stream.RESIDUAL in encoded.buffers:
-            decode_layer(encoded.layout, anchor, encoded.buffers[Stream.RESIDUAL])
+        config = CodecConfig(scheme=scheme, planes=planes) if planes and scheme is Scheme.LYNX else CodecConfig(scheme)
+        encoded = encode_layer(k, k, config)
+        bufs = [encoded.buffers[p] for p in range(encoded.layout.num_planes)]
+        for n in range(1, len(bufs) + 1):
+            decode_layer(encoded.layout, *bufs[:n])
 
 
 class CacheSend:
@@ -188,22 +202,24 @@ class CacheSend:
         self._deferred = deferred
 
     def wait(self, timeout: float) -> None:
-        """Finish the send within ``timeout`` seconds: for a held residual, wait for
-        the receiver to release it, then encode and supply it layer by layer; then
+        """Finish the send within ``timeout`` seconds: for held planes, wait for the
+        receiver to release them, then encode and supply them layer by layer; then
         wait for the receiver's confirmation of the whole stream. Raises the
         stream's error, or ``TransportTimeoutError``; a failed send is cancelled."""
         deadline = time.monotonic() + timeout
         try:
             if self._deferred:
                 self._deferred = False
-                self.stream.wait_released(Lane.RESIDUAL, timeout)
+                later = tuple(range(1, len(self._config.plane_table)))
+                for plane in later:
+                    self.stream.wait_released(lane_of(plane), max(0.0, deadline - time.monotonic()))
                 kv = self._prefill.kv
                 for i in range(kv.shape.num_layers):
-                    buf = encode_layer(kv.keys[i], kv.values[i], self._config,
-                                       streams=(Stream.RESIDUAL,)).buffers[Stream.RESIDUAL]
-                    self._keep.append(buf)
-                    self.stream.supply(region_name(i, Stream.RESIDUAL), buf,
-                                       max(0.0, deadline - time.monotonic()))
+                    encoded = encode_layer(kv.keys[i], kv.values[i], self._config, planes=later)
+                    for plane in later:
+                        buf = encoded.buffers[plane]
+                        self._keep.append(buf)
+                        self.stream.supply(region_name(i, plane), buf, max(0.0, deadline - time.monotonic()))
             self.stream.wait(max(0.0, deadline - time.monotonic()))
         except BaseException:
             if not self.stream.done():
@@ -222,36 +238,35 @@ def send_cache(conn: Sender, prefill: Prefill, model_id: str, config: CodecConfi
     :meth:`CacheSend.wait` (``prefill`` must stay unchanged until then).
 
     Anchors go first, layer by layer, as each is encoded. ``hold_residual``
-    (LYNX; ignored for schemes without a residual): the residual lane waits for
-    the receiver's ``release_lane``, and is encoded only then (in
-    :meth:`CacheSend.wait`): each layer is quantized twice, but nothing of the
-    residual takes CPU from the anchors' encoding, nor from the receiver's first
-    decode step when both nodes share a host. Without it each layer is encoded
-    once into both streams. Call :func:`warm_up_codec` once before connecting: a
-    first JIT compile inside a send holds the GIL for seconds, long enough for
-    the transport's peers to count its I/O threads silent.
+    (LYNX; ignored for one-plane schemes): the lanes of planes 1.. wait for the
+    receiver's ``release_lane``, and are encoded only then (in
+    :meth:`CacheSend.wait`): each layer is quantized twice, but nothing of them
+    takes CPU from the anchors' encoding, nor from the receiver's first decode
+    step when both nodes share a host. Without it each layer is encoded once into
+    every plane. Call :func:`warm_up_codec` once before connecting: a first JIT
+    compile inside a send holds the GIL for seconds, long enough for the
+    transport's peers to count its I/O threads silent.
     """
     kv = prefill.kv
     shape = kv.shape
     layer = LayerLayout.build(config, shape.kv_heads, shape.tokens, shape.head_dim)
     header = KVHeader(request_id, model_id, config.scheme, len(prefill.token_ids), t0_unix,
                       CacheLayout.of([layer] * shape.num_layers))
-    deferred = hold_residual and config.scheme is Scheme.LYNX
-    stream = conn.open_stream(header.regions(), metadata=header.to_metadata(), timeout=timeout,
-                              hold=(Lane.RESIDUAL,) if deferred else ())
+    deferred = hold_residual and layer.num_planes > 1
+    held = tuple(lane_of(p) for p in range(1, layer.num_planes)) if deferred else ()
+    stream = conn.open_stream(header.regions(), metadata=header.to_metadata(), timeout=timeout, hold=held)
     keep: list[Any] = [np.asarray(prefill.token_ids, dtype=np.int32)]
     later: list[tuple[str, Any]] = []
     try:
         stream.supply(TOKENS, keep[0], timeout)
         for i in range(shape.num_layers):
-            encoded = encode_layer(kv.keys[i], kv.values[i], config,
-                                   streams=(Stream.ANCHOR,) if deferred else None)
-            for s, buf in encoded.buffers.items():
+            encoded = encode_layer(kv.keys[i], kv.values[i], config, planes=(0,) if deferred else None)
+            for plane, buf in encoded.buffers.items():
                 keep.append(buf)
-                if s is Stream.ANCHOR:
-                    stream.supply(region_name(i, s), buf, timeout)
+                if plane == 0:
+                    stream.supply(region_name(i, plane), buf, timeout)
                 else:
-                    later.append((region_name(i, s), buf))
+                    later.append((region_name(i, plane), buf))
         for name, buf in later:
             stream.supply(name, buf, timeout)
     except BaseException:
@@ -262,15 +277,18 @@ def send_cache(conn: Sender, prefill: Prefill, model_id: str, config: CodecConfi
 
 
 class KVAssembler:
-    """Builds the draft and full caches of one KV stream as its regions land.
+    """Builds the caches of one KV stream, one per level (prefix of planes), as its
+    regions land.
 
     Feed it the transport callbacks of its stream (:meth:`on_region`,
-    :meth:`on_failed`); read :attr:`draft` (anchor-only cache, ``None`` for
-    non-LYNX schemes) and :attr:`full` (the exact cache) as futures resolving to
-    :class:`KVBuffers`. ``headroom`` positions are reserved after the prompt for
-    generated tokens. ``clock`` stamps :attr:`timings` (seconds on that clock).
-    ``allocate(name, shape, headroom)`` supplies the ``"draft"``/``"full"`` buffers
-    (default: new ones); the decode node passes buffers it prepared before asking.
+    :meth:`on_failed`); read :attr:`levels` (for the decode engine), or
+    :attr:`draft` (the anchor-only cache, ``None`` for one-plane schemes) and
+    :attr:`full` (the exact cache) as futures resolving to :class:`KVBuffers`.
+    ``headroom`` positions are reserved after the prompt for generated tokens.
+    ``clock`` stamps :attr:`timings` and the arrivals (seconds on that clock).
+    ``allocate(name, shape, headroom)`` supplies each level's buffers (names from
+    :func:`level_names`; default: new ones); the decode node passes buffers it
+    prepared before asking.
     """
 
     def __init__(self, stream: ReceiveStream, info: ModelInfo, *, headroom: int = 64,
@@ -286,23 +304,55 @@ class KVAssembler:
                               f"({len(got)} regions, {len(expected)} expected)")
         self.clock = clock
         self.scheme = self.header.scheme
-        self.speculative = self.scheme is Scheme.LYNX
-        self.full: cf.Future[KVBuffers] = cf.Future()
-        self.draft: cf.Future[KVBuffers] | None = cf.Future() if self.speculative else None
+        self.num_planes = self.header.num_planes
+        self.speculative = self.num_planes > 1
+        self.names = level_names(self.num_planes)
+        self._futures: list[cf.Future[KVBuffers]] = [cf.Future() for _ in self.names]
+        self.full = self._futures[-1]
+        self.draft: cf.Future[KVBuffers] | None = self._futures[0] if self.speculative else None
         self.timings: dict[str, float] = {}
         self.dequant_s = 0.0
         alloc = allocate or (lambda _name, shape, room: KVBuffers(shape, headroom=room))
-        self._full_kv = alloc("full", self.shape, headroom)
-        self._draft_kv = alloc("draft", self.shape, headroom) if self.speculative else None
-        self._landed: set[tuple[int, Stream]] = set()
+        self._kv = [alloc(name, self.shape, headroom) for name in self.names]
+        layers = self.shape.num_layers
+        self._landed = np.zeros((self.num_planes, layers), dtype=bool)
+        self._claimed = np.zeros((self.num_planes, layers), dtype=bool)  # level l of layer i taken for decoding
+        self._arrivals: list[list[float]] = [[] for _ in range(self.num_planes)]
+        self._plane_bytes = [self.header.layout.layers[0].plane_size(p) for p in range(self.num_planes)]
+        self._first_arrival: float | None = None
+        self._last_arrival: float | None = None
+        self._bytes_after_first = 0
         self._lock = threading.Lock()
-        #: Closed: exact (residual) layers wait; see :meth:`open_full_gate`.
+        #: Closed: levels above the anchor wait; see :meth:`open_full_gate`.
         self.full_gate = threading.Event()
         if not self.speculative:
             self.full_gate.set()
-        self._deferred: list[tuple[int, LayerLayout]] = []
+        self._deferred: list[tuple[int, int]] = []
         self.token_ids: tuple[int, ...] | None = None
         self._tokens_future: cf.Future[tuple[int, ...]] = cf.Future()
+
+    @property
+    def levels(self) -> list[CacheLevel]:
+        """The caches the decode engine drafts on and verifies against, coarsest
+        first: each with its future, its buffers while they fill, and an estimate
+        of when it completes."""
+        return [CacheLevel(future, kv, functools.partial(self.eta, level))
+                for level, (future, kv) in enumerate(zip(self._futures, self._kv))]
+
+    def eta(self, level: int) -> float | None:
+        """Seconds until every region of planes ``0..level`` has landed: the bytes still
+        missing over the stream's arrival rate so far (bytes landed after the first
+        region over the time since it; a held lane's wait counts as time, so this
+        errs late). 0 when in; None before two regions landed."""
+        with self._lock:
+            first, last, landed = self._first_arrival, self._last_arrival, self._bytes_after_first
+            missing = sum(size * int((~self._landed[p]).sum()) for p, size in enumerate(self._plane_bytes[: level + 1]))
+        if missing == 0:
+            return 0.0
+        if first is None or last is None or last <= first or landed <= 0:
+            return None
+        rate = landed / (self.clock() - first)
+        return missing / rate
 
     # -- callbacks (transport callback thread) ---------------------------------------------
     def on_region(self, region: ReceivedRegion) -> None:
@@ -321,20 +371,20 @@ class KVAssembler:
         self.fail(error)
 
     def fail(self, error: BaseException) -> None:
-        for future in (self._tokens_future, self.draft, self.full):
-            if future is not None and not future.done():
-                future.set_exception(error)
-        for kv in (self._draft_kv, self._full_kv):
-            if kv is not None:
-                kv.abort(error)
+        futures: list[cf.Future[Any]] = [self._tokens_future, *self._futures]
+        for future in futures:
+            if not future.done():
+                with contextlib.suppress(cf.InvalidStateError):  # resolved meanwhile: it stands
+                    future.set_exception(error)
+        for kv in self._kv:
+            kv.abort(error)
 
     def filling(self, drafting: bool) -> KVBuffers:
         """The buffers the first decode step runs on while they fill (see
-        ``speculative.decode_events(early=...)``): the draft cache's when
+        ``speculative.decode_events(early=...)``): the anchor-only cache's when
         ``drafting``, else the full cache's."""
-        kv = self._draft_kv if drafting else self._full_kv
-        assert kv is not None, "drafting needs a LYNX stream"
-        return kv
+        assert self.speculative or not drafting, "drafting needs a LYNX stream"
+        return self._kv[0] if drafting else self._kv[-1]
 
     def prompt_ids(self, timeout: float) -> tuple[int, ...]:
         """The prompt's token ids (all of them), once the ``tokens`` region landed."""
@@ -352,57 +402,63 @@ class KVAssembler:
             self.token_ids = tuple(int(t) for t in ids)
             self._tokens_future.set_result(self.token_ids)
             return
-        layer, stream = _parse_name(region.name, self.shape.num_layers)
-        layout = self.header.layout.layers[layer]
+        layer, plane = _parse_name(region.name, self.shape.num_layers, self.num_planes)
+        now = self.clock()
+        ready = []
         with self._lock:
-            self._landed.add((layer, stream))
+            self._landed[plane, layer] = True
+            self._arrivals[plane].append(now)
+            if len(self._arrivals[plane]) == 1:
+                self.timings[f"plane{plane}_first"] = now
+            if self._first_arrival is None:
+                self._first_arrival = now
+            else:
+                self._bytes_after_first += self._plane_bytes[plane]
+            self._last_arrival = now
             gate_open = self.full_gate.is_set()
-            has_residual = Stream.RESIDUAL in layout.streams
-            anchor_in = (layer, Stream.ANCHOR) in self._landed
-            residual_in = (layer, Stream.RESIDUAL) in self._landed
-        if stream is Stream.ANCHOR and self._draft_kv is not None:
-            self._decode(layer, layout, self._draft_kv, residual=False)
-            self._maybe_resolve(self._draft_kv, self.draft, "draft")
-        if anchor_in and (residual_in or not has_residual):
-            if self.speculative and not gate_open:
-                with self._lock:
-                    if not self.full_gate.is_set():
-                        self._deferred.append((layer, layout))
-                        return
-            self._decode_full(layer, layout, has_residual)
+            for level in range(self.num_planes):
+                if self._claimed[level, layer] or not self._landed[: level + 1, layer].all():
+                    continue
+                if level > 0 and not gate_open:
+                    self._claimed[level, layer] = True
+                    self._deferred.append((layer, level))
+                    continue
+                self._claimed[level, layer] = True
+                ready.append(level)
+        for level in ready:
+            self._decode_level(layer, level)
 
     def open_full_gate(self) -> None:
-        """Let exact layers be dequantized (call once the first token is out, or at once).
+        """Let the levels above the anchor be dequantized (call once the first token
+        is out, or at once).
 
-        LYNX dequantizes residual layers only after the gate opens, so the first
-        draft step does not share CPU and memory bandwidth with rebuilding the full
-        cache; layers that landed before are decoded then, on the calling thread.
-        Idempotent and thread-safe."""
+        A multi-plane stream dequantizes levels 1.. only after the gate opens, so
+        the first draft step does not share CPU and memory bandwidth with
+        rebuilding the finer caches; layers that landed before are decoded then,
+        on the calling thread, level by level. Idempotent and thread-safe."""
         with self._lock:
             if self.full_gate.is_set():
                 return
             self.full_gate.set()
             pending, self._deferred = self._deferred, []
         try:
-            for layer, layout in pending:
-                self._decode_full(layer, layout, True)
+            for layer, level in sorted(pending, key=lambda p: (p[1], p[0])):
+                self._decode_level(layer, level)
         except LynxError as exc:
             self.fail(exc)
 
-    def _decode_full(self, layer: int, layout: LayerLayout, residual: bool) -> None:
-        self._decode(layer, layout, self._full_kv, residual=residual)
-        self._maybe_resolve(self._full_kv, self.full, "full")
-
-    def _decode(self, layer: int, layout: LayerLayout, kv: KVBuffers, *, residual: bool) -> None:
-        anchor = self.stream.view(region_name(layer, Stream.ANCHOR))
-        res = self.stream.view(region_name(layer, Stream.RESIDUAL)) if residual else None
+    def _decode_level(self, layer: int, level: int) -> None:
+        layout = self.header.layout.layers[layer]
+        kv = self._kv[level]
+        bufs = [self.stream.view(region_name(layer, p)) for p in range(level + 1)]
         start = time.perf_counter()
         k, v = kv.layer(layer)  # decode straight into the model cache: no temporary, no copy
-        decode_layer(layout, anchor, res, out_k=k, out_v=v)
+        decode_layer(layout, *bufs, out_k=k, out_v=v)
         kv.mark_written(layer)
-        self.dequant_s += time.perf_counter() - start
-
-    def _maybe_resolve(self, kv: KVBuffers, future: cf.Future[KVBuffers] | None, name: str) -> None:
-        if future is not None and kv.complete and not future.done():
-            self.timings[f"{name}_ready"] = self.clock()
+        future = self._futures[level]
+        with self._lock:  # two threads may finish layers of one level (callbacks, the gate's opener)
+            self.dequant_s += time.perf_counter() - start
+            if not kv.complete or future.done():
+                return
+            self.timings[f"{self.names[level]}_ready"] = self.clock()
             future.set_result(kv)

@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from lynx_decode.codec_config import CodecConfig, Scheme
+from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import DecodeError
 from lynx_decode.kvstream import send_cache, warm_up_codec
 from lynx_decode.model.protocol import CausalLM, Prefill
@@ -249,8 +249,8 @@ class PrefillNode:
             # the request's own cap on its decode node's connection (None: uncapped)
             conn.set_link_rate(None if request.bandwidth_gbps is None
                                else Rate(request.bandwidth_gbps, BURST_BYTES))
-            codec = CodecConfig(scheme=request.scheme, bits=request.anchor_bits
-                                if request.scheme is Scheme.LYNX else CodecConfig().bits)
+            codec = (CodecConfig(scheme=request.scheme, planes=request.planes) if request.scheme is Scheme.LYNX
+                     else CodecConfig(scheme=request.scheme))
             sending = send_cache(conn, prefill, self.model.info.model_id, codec,
                                  request_id=request.request_id, t0_unix=t0,
                                  hold_residual=request.hold_residual)
@@ -265,7 +265,7 @@ class PrefillNode:
         regions = sending.stream.manifest.regions
         anchor = sum(r.nbytes for r in regions if r.lane == int(Lane.ANCHOR))
         residual = sum(r.nbytes for r in regions if r.lane != int(Lane.ANCHOR))
-        bits = f" b={request.anchor_bits}" if request.scheme is Scheme.LYNX else ""
+        bits = f" planes={','.join(map(str, request.planes))}" if request.scheme is Scheme.LYNX else ""
         sizes = f"anchor {anchor / 1e6:.1f} MB" + (f" + residual {residual / 1e6:.1f} MB" if residual else "")
         self._finish(job, f"{len(prefill.token_ids)} tokens, {request.scheme.value}{bits}, {source}, "
                           f"{sizes}, sent in {time.monotonic() - start:.2f} s "

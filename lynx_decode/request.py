@@ -15,15 +15,15 @@ import json
 import math
 from typing import Any
 
-from lynx_decode.codec_config import ANCHOR_BITS, MAX_BITS, MIN_BITS, Scheme
-from lynx_decode.errors import DecodeError
+from lynx_decode.codec.config import Scheme, check_planes
+from lynx_decode.errors import CodecError, DecodeError
 from lynx_transport.errors import ConfigError
 
 __all__ = ["KVRequest", "PromptKind", "error_reply", "parse_error_reply", "MAX_PROMPT_BYTES", "BUSY_PREFIX"]
 
 REQUEST_FORMAT = "lynx-kv-request"
 ERROR_FORMAT = "lynx-kv-error"
-VERSION = 1
+VERSION = 2  # 2: planes (the LYNX split) instead of anchor_bits
 MAX_PROMPT_BYTES = 4 << 20
 MAX_TEXT = 2048
 
@@ -38,15 +38,16 @@ class KVRequest:
     ``kind``: ``"text"`` (tokenized as is), ``"chat"`` (wrapped in the model's chat
     template as one user message) or ``"ids"`` (int32 token ids).
     ``bandwidth_gbps``: the sender holds this stream's link to that rate (None:
-    unshaped). ``hold_residual``: the prefill node sends the residual lane only
-    once the decode node releases it (``ReceiveStream.release_lane``), so that the
-    residual's transfer does not compete with the first model step for the
-    decode node's CPU (LYNX only; the decode node releases it on its first token).
+    unshaped). ``planes``: the LYNX split (widths from the top bit, e.g. ``(4, 4)``).
+    ``hold_residual``: the prefill node sends the lanes after the anchor's only
+    once the decode node releases them (``ReceiveStream.release_lane``), so their
+    transfer does not compete with the first model step for the decode node's
+    CPU (LYNX only; the decode node releases them on its first token).
     """
 
     request_id: str
     scheme: Scheme
-    anchor_bits: int
+    planes: tuple[int, ...]
     kind: PromptKind
     reply_to: tuple[str, int]
     bandwidth_gbps: float | None = None
@@ -55,8 +56,10 @@ class KVRequest:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ConfigError(f"prompt kind must be one of {_KINDS}, got {self.kind!r}")
-        if self.anchor_bits not in ANCHOR_BITS:
-            raise ConfigError(f"anchor bits must be in {MIN_BITS}..{MAX_BITS}, got {self.anchor_bits}")
+        try:
+            object.__setattr__(self, "planes", check_planes(self.planes))
+        except CodecError as exc:
+            raise ConfigError(str(exc)) from None
         bw = self.bandwidth_gbps
         if bw is not None and not (bw > 0 and math.isfinite(bw)):
             raise ConfigError(f"bandwidth must be a positive number of Gbit/s, got {bw}")
@@ -64,7 +67,7 @@ class KVRequest:
     def to_metadata(self) -> bytes:
         return json.dumps({"format": REQUEST_FORMAT, "version": VERSION,
                            "request_id": self.request_id, "scheme": self.scheme.value,
-                           "anchor_bits": self.anchor_bits, "kind": self.kind,
+                           "planes": list(self.planes), "kind": self.kind,
                            "reply_to": list(self.reply_to),
                            "bandwidth_gbps": self.bandwidth_gbps,
                            "hold_residual": self.hold_residual}).encode()
@@ -86,10 +89,13 @@ class KVRequest:
             hold = obj.get("hold_residual", False)
             if not isinstance(hold, bool):
                 raise TypeError(f"hold_residual must be a boolean, got {hold!r}")
-            return cls(str(obj["request_id"]), Scheme(obj["scheme"]), int(obj["anchor_bits"]),
+            planes = obj["planes"]
+            if not isinstance(planes, list):
+                raise TypeError(f"planes must be a list, got {planes!r}")
+            return cls(str(obj["request_id"]), Scheme(obj["scheme"]), tuple(int(w) for w in planes),
                        str(obj["kind"]), (str(host), int(port)),
                        None if bw is None else float(bw), hold)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise DecodeError(f"request field is missing or invalid: {exc}") from None
 
 

@@ -1,40 +1,53 @@
-"""Greedy speculative decoding: draft on the anchor-only cache, verify on the full one.
+"""Greedy speculative decoding: draft on the coarse caches, verify on the exact one.
 
 Concurrency model: threads with futures. The transport side (any thread) fills a
 :class:`~lynx_decode.model.KVBuffers` per cache and resolves a
 ``concurrent.futures.Future`` with it (or sets an exception when the stream
 fails). The engine runs in the caller's thread and only polls/waits on those
-futures; all model calls happen in that one thread.
+futures and buffers; all model calls happen in that one thread.
 
-Algorithm (prompt ``ids``; both caches cover ``ids[:-1]``, see
+The caches come as *levels* (:class:`CacheLevel`), coarsest first: for a LYNX
+split ``2,2,4`` the 2-bit, the 4-bit and the exact 8-bit cache; for ``4,4`` the
+anchor-only draft and the exact cache; for a baseline just the exact one. Each
+level has its future, optionally its buffers while they fill (a pass on them
+starts at once and waits inside each layer for that layer's K/V,
+``KVBuffers.wait_layer``, so compute overlaps the transfer), and optionally an
+estimate of when it completes.
+
+Algorithm (prompt ``ids``; every cache covers ``ids[:-1]``, see
 :mod:`lynx_decode.model.protocol`):
 
-1. Wait until the draft or the full cache is ready (whichever first). With
-   ``early`` (the buffers of the cache the first step runs on, still filling),
-   do not wait: the first step starts at once and waits inside each layer
-   for that layer's K/V (``KVBuffers.wait_layer``), so its compute overlaps
-   the transfer and only the last layers' work remains when the last bytes land.
-2. Draft cache first: run ``ids[-1]`` and then each drafted token through it,
-   greedily, one at a time, emitting :class:`Tentative` events, until the full
-   cache is ready, ``max_draft`` tokens were drafted, or EOS was drafted.
-3. Full cache: run ``[ids[-1]] + drafts`` in ONE forward pass. ``preds[i]`` is
-   the greedy token after ``drafts[:i]``; keep the longest prefix where
-   ``drafts[i] == preds[i]`` (``k`` tokens) plus ``preds[k]`` (the correction,
-   or a bonus token when all drafts agree), crop the cache back to the prompt
-   plus the ``k`` accepted drafts, and emit :class:`Rollback` (if anything was
-   rejected) then :class:`Committed`.
-4. Continue greedily on the full cache until ``max_new_tokens`` or EOS.
+1. Start on the coarsest level with buffers (pipelined), else on the best level
+   whose future resolved first. The first step emits a :class:`Tentative` token.
+2. Draft further tokens on the current level (up to ``max_draft``) while the
+   next level is not complete and: it has no buffers (its pass cannot start
+   early, so drafting is free), or its estimated time to completion is more
+   than :data:`DRAFT_MARGIN_STEPS` draft steps (compute time) away - the link
+   is slow. Otherwise, or when the estimate is unknown, move on at once, so the
+   next pass rides on the next level's arrival.
+3. Next level: run ``[ids[-1]] + tentative`` in ONE forward pass (pipelined
+   when its buffers are still filling). ``preds[i]`` is the greedy token after
+   ``tentative[:i]``; keep the longest agreeing prefix (``k`` tokens) plus
+   ``preds[k]`` (the correction, or a bonus token when all agree), crop that
+   cache to the prompt plus the ``k`` kept tokens, and emit :class:`Rollback`
+   (if anything was rejected). On an intermediate level the kept tokens and
+   ``preds[k]`` stay tentative (new ones as :class:`Tentative`) and step 2
+   continues there; on the exact level they are emitted as :class:`Committed`.
+4. Continue greedily on the exact cache until ``max_new_tokens`` or EOS.
 
-A residual that never arrives (the full future fails, or does not resolve within
-``full_timeout_s`` once drafting started): with ``MissingFull.FAIL`` (default)
-the run raises :class:`DecodeError`; with ``MissingFull.UNVERIFIED`` it finishes
-on the anchor-only cache and reports every token as :class:`Unverified`
-(``metrics.verified`` False) — never as committed.
+So the first committed token follows the exact cache's last byte by about one
+layer plus the LM head, whatever was drafted.
+
+A level that never arrives (its future fails, or a pass on it does not finish
+within ``full_timeout_s`` once drafting started): with ``MissingFull.FAIL``
+(default) the run raises :class:`DecodeError`; with ``MissingFull.UNVERIFIED``
+it finishes on the best cache it has and reports every token as
+:class:`Unverified` (``metrics.verified`` False) — never as committed.
 
 Committed tokens equal plain greedy decoding on the full cache by construction
 (up to fp32 rounding between a batched and a one-token pass; docs/design.md: exact in
-all measured runs in fp32, not in bf16). With no draft future, or when the full
-cache is ready before the first draft step, this is plain greedy decoding.
+all measured runs in fp32, not in bf16). With one level, or when the exact cache
+is complete before the first step, this is plain greedy decoding.
 """
 
 from __future__ import annotations
@@ -53,7 +66,7 @@ from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.protocol import CausalLM, LMCache
 from lynx_transport.errors import LynxError
 
-__all__ = ["DecodeConfig", "Generation", "MissingFull", "DEFAULT_MAX_DRAFT", "decode_events",
+__all__ = ["DecodeConfig", "Generation", "MissingFull", "CacheLevel", "DEFAULT_MAX_DRAFT", "decode_events",
            "generate", "ready"]
 
 DEFAULT_MAX_DRAFT = 8
@@ -105,14 +118,31 @@ def ready(kv: KVBuffers) -> cf.Future[KVBuffers]:
     return future
 
 
-def generate(model: CausalLM, prompt_ids: Sequence[int], *, full: cf.Future[KVBuffers],
+@dataclass(frozen=True)
+class CacheLevel:
+    """One cache the engine can run on: ``future`` resolves to it once complete;
+    ``buffers`` (optional) are those buffers while they fill, so a pass can start
+    before and wait per layer; ``eta`` (optional) estimates the seconds until it
+    completes (None: unknown)."""
+
+    future: cf.Future[KVBuffers]
+    buffers: KVBuffers | None = None
+    eta: Callable[[], float | None] | None = None
+
+
+#: Draft another token only while the next level is more than this many draft steps
+#: away (a pass over the drafts costs about 1.5-2.5 steps at 1k-4k tokens, docs/design.md).
+DRAFT_MARGIN_STEPS = 3.0
+
+
+def generate(model: CausalLM, prompt_ids: Sequence[int], *, full: cf.Future[KVBuffers] | None = None,
              draft: cf.Future[KVBuffers] | None = None, config: DecodeConfig = DecodeConfig(),
              t0: float, clock: Callable[[], float] = time.perf_counter,
              on_event: Callable[[Event], None] | None = None,
-             early: KVBuffers | None = None) -> Generation:
+             early: KVBuffers | None = None, levels: Sequence[CacheLevel] | None = None) -> Generation:
     """Run :func:`decode_events` to the end, passing each event to ``on_event``."""
     for event in decode_events(model, prompt_ids, full=full, draft=draft, config=config,
-                               t0=t0, clock=clock, early=early):
+                               t0=t0, clock=clock, early=early, levels=levels):
         if on_event is not None:
             on_event(event)
         if isinstance(event, Done):
@@ -120,18 +150,29 @@ def generate(model: CausalLM, prompt_ids: Sequence[int], *, full: cf.Future[KVBu
     raise DecodeError("generation ended without a Done event (internal error)")
 
 
+def _as_levels(full: cf.Future[KVBuffers] | None, draft: cf.Future[KVBuffers] | None,
+               early: KVBuffers | None, max_draft: int) -> list[CacheLevel]:
+    if full is None:
+        raise DecodeError("decode_events needs the full future or levels")
+    if draft is None or max_draft == 0:
+        return [CacheLevel(full, early)]
+    return [CacheLevel(draft, early), CacheLevel(full)]
+
+
 def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
-                  full: cf.Future[KVBuffers], draft: cf.Future[KVBuffers] | None = None,
+                  full: cf.Future[KVBuffers] | None = None, draft: cf.Future[KVBuffers] | None = None,
                   config: DecodeConfig = DecodeConfig(), t0: float,
                   clock: Callable[[], float] = time.perf_counter,
-                  early: KVBuffers | None = None) -> Iterator[Event]:
-    """Greedy (speculative when ``draft`` is given) decoding as a stream of events.
+                  early: KVBuffers | None = None,
+                  levels: Sequence[CacheLevel] | None = None) -> Iterator[Event]:
+    """Greedy (speculative when there is more than one level) decoding as a stream of events.
 
-    ``full`` resolves to the exact cache, ``draft`` to the anchor-only one; both
-    must cover ``prompt_ids[:-1]``. ``t0`` is the caller's start on ``clock``.
-    ``early``: the buffers ``draft`` (when drafting) or else ``full`` will
-    resolve to, while they fill; the first step then starts at once and waits
-    per layer (whoever fills them must ``abort`` them if they never complete).
+    ``levels``: the caches coarsest first, the last one exact (see
+    :class:`CacheLevel`). Or, the two-level shorthand: ``full`` resolves to the
+    exact cache, ``draft`` to the anchor-only one, and ``early`` is the buffers
+    ``draft`` (when drafting) or else ``full`` will resolve to, while they fill.
+    Every cache must cover ``prompt_ids[:-1]``. ``t0`` is the caller's start on
+    ``clock``. Whoever fills buffers must ``abort`` them if they never complete.
     Raises PromptError when the prompt plus ``max_new_tokens`` exceeds the context
     window, DecodeError when a future fails or times out, a cache does not match
     the prompt, or the model fails; events already yielded stay valid (committed
@@ -143,90 +184,168 @@ def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
     if len(ids) + config.max_new_tokens > info.max_positions:
         raise PromptError(f"{len(ids)} prompt tokens + {config.max_new_tokens} new tokens "
                           f"exceed the model's context window of {info.max_positions}")
-    eos = info.eos_token_ids if config.stop_at_eos else frozenset()
-    n_max = config.max_new_tokens
-    cached = len(ids) - 1
+    chain = list(levels) if levels is not None else _as_levels(full, draft, early, config.max_draft)
+    if not chain:
+        raise DecodeError("decode_events needs at least one cache level")
+    if config.max_draft == 0:
+        chain = chain[-1:]
+    run = _Run(model, ids, chain, config, t0, clock)
+    yield from run.events()
 
-    def since() -> float:
-        return clock() - t0
 
-    drafting = draft is not None and config.max_draft > 0
-    if early is None:
-        drafting = drafting and _wait_first(full, draft, config.wait_timeout_s) is draft
+class _Run:
+    """One generation (the state :func:`decode_events` walks through)."""
 
-    def filling(kv: KVBuffers) -> LMCache:  # the first step waits per layer
-        return _cache(model, kv, cached, lambda i: kv.wait_layer(i, config.wait_timeout_s))
+    def __init__(self, model: CausalLM, ids: list[int], chain: list[CacheLevel], config: DecodeConfig,
+                 t0: float, clock: Callable[[], float]) -> None:
+        self.model, self.ids, self.chain, self.config = model, ids, chain, config
+        self.t0, self.clock = t0, clock
+        self.cached = len(ids) - 1
+        self.eos = model.info.eos_token_ids if config.stop_at_eos else frozenset()
+        self.n_max = config.max_new_tokens
+        self.last = len(chain) - 1
+        self.waited = 0.0  # seconds the current pass spent waiting for layers
 
-    drafts: list[int] = []
-    ttft: float | None = None
-    draft_start: float | None = None
-    dcache: LMCache | None = None
-    first_logits: np.ndarray | None = None
-    fcache_early: LMCache | None = None
-    if drafting:
-        draft_start = since()
-        assert draft is not None
-        dcache = (filling(early) if early is not None
-                  else _cache(model, _result(draft, "draft", 0.0), cached))
-        x = ids[-1]
-        while len(drafts) < min(config.max_draft, n_max) and not full.done():
-            x = int(np.argmax(_forward(model, dcache, [x])[-1]))
-            drafts.append(x)
-            if ttft is None:
-                ttft = since()
-            yield Tentative(x, len(drafts) - 1)
-            if x in eos:
-                break
+    def since(self) -> float:
+        return self.clock() - self.t0
 
-    elif early is not None:  # plain greedy: the first token straight off the filling cache
-        fcache_early = filling(early)
-        first_logits = _forward(model, fcache_early, [ids[-1]])
+    # -- caches ----------------------------------------------------------------------------
+    def _best_done(self) -> int:
+        done = [i for i, level in enumerate(self.chain) if level.future.done()]
+        return max(done, default=-1)
 
-    timeout = config.wait_timeout_s
-    if dcache is not None and config.full_timeout_s is not None:
-        timeout = config.full_timeout_s
-    try:
-        fkv = _result(full, "full", timeout)
-    except DecodeError as exc:
-        if dcache is None or config.on_missing_full is MissingFull.FAIL:
-            raise
-        yield from _finish_unverified(model, dcache, ids, drafts, eos, n_max, str(exc),
-                                      since, ttft, draft_start)
-        return
-    del dcache
-    fcache = fcache_early if fcache_early is not None else _cache(model, fkv, cached)
-    full_ready = since()
-    verify_s: float | None = None
-    accepted = 0
-    if drafts:
-        start = clock()
-        preds = [int(t) for t in np.argmax(_forward(model, fcache, [ids[-1], *drafts]), axis=-1)]
-        verify_s = clock() - start
-        while accepted < len(drafts) and drafts[accepted] == preds[accepted]:
-            accepted += 1
-        fcache.crop(cached + 1 + accepted)
-        commit = _truncate([*drafts[:accepted], preds[accepted]], eos, n_max)
-        if accepted < len(drafts):
-            yield Rollback(accepted, len(drafts) - accepted)
-    elif first_logits is not None:
-        commit = [int(np.argmax(first_logits[-1]))]
-    else:
-        commit = [int(np.argmax(_forward(model, fcache, [ids[-1]])[-1]))]
-    ttfct = since()
-    ttft = ttfct if ttft is None else ttft
-    out = list(commit)
-    yield Committed(tuple(commit), 0)
-    while len(out) < n_max and out[-1] not in eos:
-        token = int(np.argmax(_forward(model, fcache, [out[-1]])[-1]))
-        out.append(token)
-        yield Committed((token,), len(out) - 1)
-    e2e = since()
-    yield Done(DecodeMetrics(
-        ttft_s=ttft, ttfct_s=ttfct, e2e_s=e2e,
-        acceptance_rate=accepted / len(drafts) if drafts else None,
-        drafted=len(drafts), accepted=accepted, new_tokens=len(out),
-        speculative=bool(drafts), draft_start_s=draft_start, full_ready_s=full_ready,
-        verify_s=verify_s, stopped_at_eos=out[-1] in eos), tuple(out))
+    def _start_level(self) -> int:
+        """The level the first step runs on: the coarsest with buffers (pipelined),
+        unless a finer one is already complete; else the best whose future resolved first."""
+        best = self._best_done()
+        if best >= 0:
+            return best
+        if self.chain[0].buffers is not None or len(self.chain) == 1:
+            return 0  # (one level: its future is waited on when the cache opens)
+        pending = [level.future for level in self.chain]
+        done, _ = cf.wait(pending, timeout=self.config.wait_timeout_s, return_when=cf.FIRST_COMPLETED)
+        if not done:
+            raise DecodeError(f"no KV cache arrived within {self.config.wait_timeout_s} s")
+        return self._best_done()
+
+    def _open(self, index: int, timeout: float) -> LMCache:
+        """The model cache of level ``index``: complete, or filling (a pass waits per layer
+        until ``timeout`` seconds from now)."""
+        level = self.chain[index]
+        name = "full" if index == self.last else ("draft" if index == 0 else f"level-{index} draft")
+        if level.buffers is not None and not level.future.done():
+            kv = level.buffers
+            deadline = time.monotonic() + timeout
+
+            def wait(i: int) -> None:
+                start = time.perf_counter()
+                try:
+                    kv.wait_layer(i, max(0.0, deadline - time.monotonic()))
+                except DecodeError as exc:
+                    raise DecodeError(f"the {name} KV cache failed: {exc}") from exc
+                finally:
+                    self.waited += time.perf_counter() - start
+
+            return _cache(self.model, kv, self.cached, wait)
+        return _cache(self.model, _result(level.future, name, timeout), self.cached)
+
+    def _timed_forward(self, cache: LMCache, tokens: list[int]) -> tuple[np.ndarray, float]:
+        """Logits and the pass's compute time (wall time less the time spent waiting for layers)."""
+        self.waited = 0.0
+        start = self.clock()
+        logits = _forward(self.model, cache, tokens)
+        return logits, max(0.0, self.clock() - start - self.waited)
+
+    def _should_draft(self, nxt: int, step_s: float | None, drafted: int) -> bool:
+        """Draft one more token on the current level before the pass on level ``nxt``?"""
+        level = self.chain[nxt]
+        if drafted >= min(self.config.max_draft, self.n_max) or level.future.done():
+            return False
+        if level.buffers is None:  # the pass cannot start before the level is complete: drafting is free
+            return True
+        if level.eta is None or step_s is None:
+            return False
+        eta = level.eta()
+        return eta is not None and eta > DRAFT_MARGIN_STEPS * step_s
+
+    # -- the run ---------------------------------------------------------------------------
+    def events(self) -> Iterator[Event]:
+        cur = self._start_level()
+        if cur == self.last:
+            yield from self._greedy(None, None, None, None, self._open(cur, self.config.wait_timeout_s))
+            return
+        draft_start = self.since()
+        cache = self._open(cur, self.config.wait_timeout_s)
+        logits, step_s = self._timed_forward(cache, [self.ids[-1]])
+        toks = [int(np.argmax(logits[-1]))]
+        ttft = self.since()
+        yield Tentative(toks[0], 0)
+        full_timeout = self.config.full_timeout_s or self.config.wait_timeout_s
+        while True:
+            nxt = max(cur + 1, self._best_done())
+            while toks[-1] not in self.eos and self._should_draft(nxt, step_s, len(toks)):
+                logits, step_s = self._timed_forward(cache, [toks[-1]])
+                toks.append(int(np.argmax(logits[-1])))
+                yield Tentative(toks[-1], len(toks) - 1)
+                nxt = max(nxt, self._best_done())
+            taken = self.since()
+            try:
+                ncache = self._open(nxt, full_timeout if nxt == self.last else self.config.wait_timeout_s)
+                pass_start = self.clock()
+                preds = [int(t) for t in np.argmax(_forward(self.model, ncache, [self.ids[-1], *toks]), axis=-1)]
+                pass_s = self.clock() - pass_start
+            except DecodeError as exc:
+                if self.config.on_missing_full is MissingFull.FAIL:
+                    raise
+                yield from _finish_unverified(self.model, cache, self.ids, toks, self.eos, self.n_max,
+                                              str(exc), self.since, ttft, draft_start)
+                return
+            accepted = 0
+            while accepted < len(toks) and toks[accepted] == preds[accepted]:
+                accepted += 1
+            ncache.crop(self.cached + 1 + accepted)
+            kept = _truncate([*toks[:accepted], preds[accepted]], self.eos, self.n_max)
+            if accepted < len(toks):
+                yield Rollback(accepted, len(toks) - accepted)
+            if nxt == self.last:
+                yield from self._greedy(ncache, kept, (toks, accepted, ttft, draft_start, taken, pass_s), None,
+                                        None)
+                return
+            for position in range(accepted, len(kept)):
+                yield Tentative(kept[position], position)
+            toks, cache, cur = kept, ncache, nxt
+
+    def _greedy(self, fcache: LMCache | None, commit: list[int] | None,
+                spec: tuple[list[int], int, float, float, float, float] | None,
+                first_logits: np.ndarray | None, plain: LMCache | None) -> Iterator[Event]:
+        """Commit ``commit`` (the verified tokens; None: greedy from the start on
+        ``plain``) and decode greedily on the exact cache to the end."""
+        if commit is None:
+            assert plain is not None
+            fcache = plain
+            full_ready = self.since()
+            commit = [int(np.argmax(_forward(self.model, fcache, [self.ids[-1]])[-1]))]
+        assert fcache is not None
+        ttfct = self.since()
+        out = list(commit)
+        yield Committed(tuple(commit), 0)
+        while len(out) < self.n_max and out[-1] not in self.eos:
+            token = int(np.argmax(_forward(self.model, fcache, [out[-1]])[-1]))
+            out.append(token)
+            yield Committed((token,), len(out) - 1)
+        e2e = self.since()
+        if spec is None:
+            yield Done(DecodeMetrics(
+                ttft_s=ttfct, ttfct_s=ttfct, e2e_s=e2e, acceptance_rate=None, drafted=0, accepted=0,
+                new_tokens=len(out), speculative=False, draft_start_s=None, full_ready_s=full_ready,
+                verify_s=None, stopped_at_eos=out[-1] in self.eos), tuple(out))
+            return
+        toks, accepted, ttft, draft_start, taken, pass_s = spec
+        yield Done(DecodeMetrics(
+            ttft_s=ttft, ttfct_s=ttfct, e2e_s=e2e, acceptance_rate=accepted / len(toks),
+            drafted=len(toks), accepted=accepted, new_tokens=len(out), speculative=True,
+            draft_start_s=draft_start, full_ready_s=taken, verify_s=pass_s,
+            stopped_at_eos=out[-1] in self.eos), tuple(out))
 
 
 def _finish_unverified(model: CausalLM, dcache: LMCache, ids: list[int], drafts: list[int],
@@ -257,17 +376,6 @@ def _truncate(tokens: list[int], eos: frozenset[int], n_max: int) -> list[int]:
             tokens = tokens[: i + 1]
             break
     return tokens[:n_max]
-
-
-def _wait_first(full: cf.Future[KVBuffers], draft: cf.Future[KVBuffers] | None,
-                timeout: float) -> cf.Future[KVBuffers]:
-    """The future to start from: ``full`` if it is done (or there is no draft)."""
-    if draft is None or full.done():
-        return full
-    done, _ = cf.wait([full, draft], timeout=timeout, return_when=cf.FIRST_COMPLETED)
-    if not done:
-        raise DecodeError(f"no KV cache arrived within {timeout} s")
-    return full if full in done else draft
 
 
 def _result(future: cf.Future[KVBuffers], name: str, timeout: float) -> KVBuffers:

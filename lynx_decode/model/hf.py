@@ -184,6 +184,21 @@ class HFCausalLM:
             raise DecodeError(f"KV layers {kv.missing_layers()} have not been written")
         return SlabCache(kv, length=shape.tokens, wait=wait)
 
+    def lm_head_s(self, repeats: int = 25) -> float:
+        """Median seconds of the LM head (the output projection) on one hidden state:
+        with a decode step's time it splits a step into its layers and its head."""
+        import torch  # noqa: PLC0415
+
+        head = self._model.get_output_embeddings()
+        hidden = torch.zeros((1, 1, head.in_features), dtype=head.weight.dtype)
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 2):
+                start = time.perf_counter()
+                head(hidden)
+                times.append(time.perf_counter() - start)
+        return float(np.median(times[2:]))
+
     def forward(self, cache: SlabCache, token_ids: Sequence[int]) -> np.ndarray:
         if not isinstance(cache, SlabCache):
             raise DecodeError(f"HFCausalLM.forward needs a cache made by cache_from, "

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lynx_decode import codec_pack as pk
-from lynx_decode import codec_quant as qt
 from lynx_decode.codec import decode_layer, encode_layer, int8_codes
-from lynx_decode.codec_config import CodecConfig, Scheme, Split, Stream
+from lynx_decode.codec import pack as pk
+from lynx_decode.codec import quant as qt
+from lynx_decode.codec.config import CodecConfig, Scheme, Split
 from lynx_kernels import cpu_pack
 
 pytestmark = pytest.mark.bench
@@ -169,7 +169,7 @@ def test_layer_encode_decode(benchmark: Any, layer: tuple[np.ndarray, np.ndarray
     k, v = layer
     config = CodecConfig(scheme=scheme)
     enc = encode_layer(k, v, config)  # compile / load the kernels outside the timing
-    a, r = enc.buffers[Stream.ANCHOR], enc.buffers.get(Stream.RESIDUAL)
+    a, r = enc.buffers[0], enc.buffers.get(1)
     out_k, out_v = np.zeros_like(k), np.zeros_like(v)
     dst_k, dst_v = np.zeros_like(k), np.zeros_like(v)
     runs = {
@@ -201,7 +201,7 @@ def test_tiny_layer_call_overhead(layer: tuple[np.ndarray, np.ndarray]) -> None:
     k = np.random.default_rng(2).standard_normal((1, 70, 16), dtype=np.float32)
     for scheme in _SCHEMES:
         enc = encode_layer(k, k, CodecConfig(scheme=scheme))
-        a = enc.buffers[Stream.ANCHOR]
+        a = enc.buffers[0]
         out = np.empty_like(k), np.empty_like(k)
         # timed at once, in this iteration: the defaults only bind the loop's values
         e = float(np.median(_times(lambda s=scheme: encode_layer(k, k, CodecConfig(scheme=s)), 51))) * 1e3
@@ -266,7 +266,7 @@ def test_split_choice_on_real_kv() -> None:
             errs = {"K": [], "V": [], "K8": [], "V8": [], "Kmid": [], "Vmid": []}
             for k, v in kv:
                 enc = encode_layer(k, v, CodecConfig(bits=bits, split=split))
-                a, res = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+                a, res = enc.buffers[0], enc.buffers[1]
                 ka, va = decode_layer(enc.layout, a)
                 kf, vf = decode_layer(enc.layout, a, res)
                 errs["K"].append(_rel(ka, k))

@@ -38,7 +38,7 @@ def decode_server(pipe: Any, server: tuple[str, int], pool_bytes: int) -> None:
     torch thread, answering ``("run_many", [(ids, scheme, new_tokens), ...], timeout)``
     with one ``(tokens, metrics)`` or ``("error", text)`` per run, all run at once
     from threads (requests in flight together), and ``("exit",)``."""
-    from lynx_decode.codec_config import Scheme
+    from lynx_decode.codec.config import Scheme
     from lynx_decode.decode_node import DecodeNode
     from lynx_decode.model import HFCausalLM
     from lynx_decode.timeouts import Timeouts

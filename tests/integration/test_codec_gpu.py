@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 import pytest
 
-from lynx_decode import Backend, CodecConfig, Scheme, Split, Stream, decode_layer, encode_layer
+from lynx_decode import Backend, CodecConfig, Scheme, Split, decode_layer, encode_layer
 from lynx_decode.codec import int8_codes
 from lynx_transport.errors import BackendError
 
@@ -55,14 +55,14 @@ def test_cupy_matches_reference_byte_for_byte(config: CodecConfig, shape, dtype)
     ref = encode_layer(k, v, config, backend=Backend.NUMPY)
     gpu = encode_layer(cupy.asarray(k), cupy.asarray(v), config)  # AUTO -> CuPy for device arrays
     assert gpu.layout == ref.layout
-    for stream in ref.layout.streams:
+    for stream in range(ref.layout.num_planes):
         assert isinstance(gpu.buffers[stream], cupy.ndarray)
         _same(gpu.buffers[stream], ref.buffers[stream])
         if config.scheme is Scheme.LYNX:  # one stream at a time: the same bytes
-            one = encode_layer(cupy.asarray(k), cupy.asarray(v), config, streams=[stream])
+            one = encode_layer(cupy.asarray(k), cupy.asarray(v), config, planes=[stream])
             _same(one.buffers[stream], ref.buffers[stream])
-    a = ref.buffers[Stream.ANCHOR]
-    residual = ref.buffers.get(Stream.RESIDUAL)
+    a = ref.buffers[0]
+    residual = ref.buffers.get(1)
     for res in [None] if residual is None else [None, residual]:
         for out_dtype in (np.float32, np.float16):
             want = decode_layer(ref.layout, a, res, dtype=out_dtype, backend=Backend.NUMPY)
@@ -84,7 +84,7 @@ def test_cupy_decodes_into_device_out_arrays() -> None:
     enc = encode_layer(cupy.asarray(k), cupy.asarray(v))
     out_k = cupy.empty((3, 300, 64), cupy.float32)
     out_v = cupy.empty((3, 300, 64), cupy.float32)
-    a, r = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+    a, r = enc.buffers[0], enc.buffers[1]
     got_k, got_v = decode_layer(enc.layout, a, r, out_k=out_k, out_v=out_v)
     assert got_k is out_k and got_v is out_v
     want_k, _ = decode_layer(enc.layout, cupy.asnumpy(a), cupy.asnumpy(r), backend=Backend.NUMPY)
@@ -103,3 +103,21 @@ def test_host_backends_refuse_device_arrays() -> None:
     k = cupy.zeros((1, 4, 8), cupy.float32)
     with pytest.raises(BackendError, match="host arrays"):
         encode_layer(k, k, backend=Backend.NUMBA)
+
+
+@pytest.mark.parametrize("planes", [(2, 2, 4), (3, 1, 4), (4, 2, 2)], ids=lambda p: ".".join(map(str, p)))
+@pytest.mark.parametrize("split", list(Split), ids=lambda s: s.value)
+@pytest.mark.parametrize("shape", [(3, 2014, 64), (2, 77, 33)], ids=lambda s: "x".join(map(str, s)))
+def test_cupy_every_prefix_of_a_multi_plane_split(planes, split: Split, shape) -> None:
+    # every prefix of the planes, occ-mean end bins (MSB) included: the reference's bytes
+    import cupy
+
+    k, v = _layer(shape, 11, np.float32)
+    config = CodecConfig(planes=planes, split=split, k_group=64, v_group=16)
+    ref = encode_layer(k, v, config, backend=Backend.NUMPY)
+    bufs = [ref.buffers[p] for p in range(ref.layout.num_planes)]
+    for n in range(1, len(bufs) + 1):
+        want = decode_layer(ref.layout, *bufs[:n], backend=Backend.NUMPY)
+        got = decode_layer(ref.layout, *(cupy.asarray(b) for b in bufs[:n]), backend=Backend.CUPY)
+        for g, w in zip(got, want):
+            _same(g, w)

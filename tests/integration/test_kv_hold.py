@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lynx_decode.codec import decode_layer, encode_layer
-from lynx_decode.codec_config import CodecConfig, Scheme, Stream
+from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.kvstream import KVAssembler, send_cache, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.protocol import ModelInfo, Prefill
@@ -65,7 +65,7 @@ def test_a_held_residual_waits_for_the_decode_side(hold) -> None:
             assert Lane.RESIDUAL in sent.lane_released_at if hold else not sent.lane_released_at
         for i in range(INFO.num_layers):  # exact: the INT8 codec's reconstruction, bit for bit
             enc = encode_layer(prefill.kv.keys[i], prefill.kv.values[i], CodecConfig(scheme=Scheme.INT8))
-            k8, v8 = decode_layer(enc.layout, enc.buffers[Stream.ANCHOR])
+            k8, v8 = decode_layer(enc.layout, enc.buffers[0])
             assert np.array_equal(full.keys[i], k8) and np.array_equal(full.values[i], v8)
         assert not np.array_equal(draft.keys[0], full.keys[0])  # the draft is the coarse one
         stream.release()

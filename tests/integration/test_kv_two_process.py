@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from lynx_bench.workload import filler_prose, passkey_prompt
-from lynx_decode.codec_config import Scheme
+from lynx_decode.codec.config import Scheme
 from lynx_decode.decode_node import DecodeNode
 from lynx_decode.errors import DecodeError, PromptError
 from lynx_decode.events import Committed, Event, Rollback, Tentative, Unverified
@@ -64,12 +64,12 @@ def test_lynx_equals_int8_token_for_token(model, server, node) -> None:
     for ids in _prompts(model):
         int8 = node.run(server, ids, scheme=Scheme.INT8, max_new_tokens=NEW_TOKENS)
         assert len(int8.tokens) == NEW_TOKENS
-        for bits in (2, 3, 4):
+        for planes in ((4, 4), (3, 5), (2, 2, 4)):
             events: list[Event] = []
-            lynx = node.run(server, ids, scheme=Scheme.LYNX, anchor_bits=bits,
+            lynx = node.run(server, ids, scheme=Scheme.LYNX, planes=planes,
                             max_new_tokens=NEW_TOKENS, bandwidth_gbps=SLOW_GBPS,
                             on_event=events.append)
-            assert lynx.tokens == int8.tokens, f"anchor bits {bits}"
+            assert lynx.tokens == int8.tokens, f"planes {planes}"
             committed = [t for e in events if isinstance(e, Committed) for t in e.tokens]
             assert tuple(committed) == lynx.tokens
             drafted += lynx.metrics["drafted"]
@@ -88,6 +88,17 @@ def test_decoding_starts_before_the_residual_lands(model, server, node) -> None:
     assert m["transfer_anchor_s"] < m["first_tentative_s"] < m["transfer_residual_s"]
     assert m["drafted"] >= 1
     assert m["ttft_s"] < m["ttfct_s"]
+
+
+@pytest.mark.parametrize("gbps", [SLOW_GBPS, 1.0])
+def test_the_residual_never_waits_and_verification_rides_on_it(model, server, node, gbps: float) -> None:
+    ids = model.tokenize(filler_prose(model.tokenize, 2100, 107))
+    m = node.run(server, ids, scheme=Scheme.LYNX, max_new_tokens=8, bandwidth_gbps=gbps,
+                 hold_residual=False).metrics
+    # the link carried residual bytes before the first tentative token was out ...
+    assert m["first_residual_s"] < m["first_tentative_s"]
+    # ... and the verify pass started before the residual lane completed (it waits per layer)
+    assert m["full_taken_s"] < m["transfer_residual_s"] <= m["ttfct_s"]
 
 
 def test_prompt_beyond_context_is_refused_clearly(model, server, node) -> None:

@@ -49,15 +49,15 @@ def _prompt(model: HFCausalLM, kind: str, depth: float | None, seed: int) -> lis
 
 def _caches(kv: KVBuffers, bits: int, split: object) -> tuple[KVBuffers, KVBuffers]:
     from lynx_decode.codec import decode_layer, encode_layer
-    from lynx_decode.codec_config import CodecConfig, Scheme, Stream
+    from lynx_decode.codec.config import CodecConfig, Scheme
 
     draft, int8 = KVBuffers(kv.shape, headroom=NEW + 8), KVBuffers(kv.shape, headroom=NEW + 8)
     for i in range(kv.shape.num_layers):
         k, v = np.ascontiguousarray(kv.keys[i]), np.ascontiguousarray(kv.values[i])
         enc = encode_layer(k, v, CodecConfig(Scheme.LYNX, bits=bits, split=split))
-        draft.write_layer(i, *decode_layer(enc.layout, enc.buffers[Stream.ANCHOR]))
+        draft.write_layer(i, *decode_layer(enc.layout, enc.buffers[0]))
         plain = encode_layer(k, v, CodecConfig(Scheme.INT8, bits=bits, split=split))
-        int8.write_layer(i, *decode_layer(plain.layout, plain.buffers[Stream.ANCHOR]))
+        int8.write_layer(i, *decode_layer(plain.layout, plain.buffers[0]))
     return draft, int8
 
 
@@ -80,7 +80,7 @@ def _accepted(model: HFCausalLM, ids: list[int], kv: KVBuffers, drafts: list[int
 
 def measure_prompt(model: HFCausalLM, ids: list[int], bits_list=(2, 3, 4),
                    splits=None) -> list[dict]:
-    from lynx_decode.codec_config import Split
+    from lynx_decode.codec.config import Split
 
     prefill = model.prefill(ids)
     rows = []

@@ -183,17 +183,17 @@ def codec_prompt(kind: str, depth: float | None, seed: int) -> tuple[list[int], 
 def codec_caches(kv: KVBuffers, bits: int) -> tuple[KVBuffers, KVBuffers, KVBuffers]:
     """(anchor-only draft, anchor+residual full, plain INT8) caches of ``kv``."""
     from lynx_decode.codec import decode_layer, encode_layer
-    from lynx_decode.codec_config import CodecConfig, Scheme, Stream
+    from lynx_decode.codec.config import CodecConfig, Scheme
 
     draft, full, int8 = (KVBuffers(kv.shape, headroom=HEADROOM) for _ in range(3))
     for i in range(kv.shape.num_layers):
         k, v = np.ascontiguousarray(kv.keys[i]), np.ascontiguousarray(kv.values[i])
         lynx = encode_layer(k, v, CodecConfig(Scheme.LYNX, bits=bits))
-        anchor, residual = lynx.buffers[Stream.ANCHOR], lynx.buffers[Stream.RESIDUAL]
+        anchor, residual = lynx.buffers[0], lynx.buffers[1]
         draft.write_layer(i, *decode_layer(lynx.layout, anchor))
         full.write_layer(i, *decode_layer(lynx.layout, anchor, residual))
         plain = encode_layer(k, v, CodecConfig(Scheme.INT8, bits=bits))
-        int8.write_layer(i, *decode_layer(plain.layout, plain.buffers[Stream.ANCHOR]))
+        int8.write_layer(i, *decode_layer(plain.layout, plain.buffers[0]))
     return draft, full, int8
 
 

@@ -1,4 +1,5 @@
-"""`lynx sweep` end to end: a tiny real sweep through two processes, and bad input."""
+"""`lynx sweep` end to end: a tiny real sweep through two processes, one with two LYNX
+splits side by side, and bad input."""
 
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ def test_tiny_sweep_writes_fixed_columns_and_plots(tmp_path: Path) -> None:
         assert row["ttft_s"] > 0 and row["ttfct_s"] >= row["ttft_s"] and row["e2e_s"] >= row["ttfct_s"]
         assert row["bytes_total"] == row["bytes_anchor"] + row["bytes_residual"]
         assert row["accuracy"] in (0.0, 1.0)
+        if row["scheme"] != "lynx":
+            assert row["planes"] is None and row["first_token_correct"] is None
     lynx_rows = [r for r in rows if r["scheme"] == "lynx"]
     assert all(r["agreement_vs_int8"] == 1.0 for r in lynx_rows)
+    assert all(r["planes"] == "4,4" and r["first_token_correct"] in (0.0, 1.0) for r in lynx_rows)
     assert all(r["bytes_residual"] > 0 for r in lynx_rows)
     size = {r["scheme"]: r["bytes_total"] for r in rows}
     assert size["int4"] < size["int8"] == size["lynx"] < size["bf16"]
@@ -49,7 +53,7 @@ def test_tiny_sweep_writes_fixed_columns_and_plots(tmp_path: Path) -> None:
     for png in ("ttft_vs_bandwidth.png", "accuracy.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
         assert str(out / png) in proc.stdout
-    assert "ttft_s" in proc.stdout
+    assert "ttft_s" in proc.stdout and "ttfct_s" in proc.stdout and "ttfct/int8.ttft" in proc.stdout
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     recorded = [r for r in runs if r["job"]["recorded"]]
     assert len(recorded) == len(rows)
@@ -59,6 +63,35 @@ def test_tiny_sweep_writes_fixed_columns_and_plots(tmp_path: Path) -> None:
         assert run["transfer_anchor_s"] <= run["ttft_s"]
         if run["scheme"] == "lynx":
             assert run["draft_ready_s"] <= run["first_tentative_s"]
+            assert run["planes"] == [4, 4]
+
+
+@pytest.mark.model
+@pytest.mark.ucx
+def test_two_splits_run_side_by_side_as_named_schemes(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    proc = _lynx("sweep", "--quick", "--bandwidths", "1", "--contexts", "256", "--new-tokens", "4",
+                 "--planes", "4,4", "2,2,4", "--out", str(out), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["config"]["splits"] == [[4, 4], [2, 2, 4]]
+    rows = payload["rows"]
+    assert [r["scheme"] for r in rows] == ["bf16", "int8", "int4", "lynx-4", "lynx-2.2.4"]
+    by = {r["scheme"]: r for r in rows}
+    assert by["lynx-4"]["planes"] == "4,4" and by["lynx-2.2.4"]["planes"] == "2,2,4"
+    for name in ("lynx-4", "lynx-2.2.4"):
+        row = by[name]
+        assert row["agreement_vs_int8"] == 1.0, name
+        assert row["first_token_correct"] in (0.0, 1.0)
+        assert 0 < row["ttft_s"] <= row["ttfct_s"] <= row["e2e_s"]
+        assert row["bytes_total"] == by["int8"]["bytes_total"]
+    # a 2-bit anchor is half the 4-bit one
+    assert by["lynx-2.2.4"]["bytes_anchor"] < by["lynx-4"]["bytes_anchor"]
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert {tuple(r["job"]["planes"] or ()) for r in runs if r["job"]["codec_scheme"] == "lynx"} == {
+        (4, 4), (2, 2, 4)}
+    for table_line in ("lynx-4", "lynx-2.2.4"):
+        assert sum(table_line in line.split() for line in proc.stdout.splitlines()) == 2  # summary + ratios
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -66,6 +99,10 @@ def test_tiny_sweep_writes_fixed_columns_and_plots(tmp_path: Path) -> None:
     (["--bandwidths", "-1"], "not a positive"),
     (["--schemes", "lynx,fp8"], "unknown scheme 'fp8'"),
     (["--contexts", "100000"], "context window"),
+    (["--planes", "4,4", "3,4"], "--planes: planes 3,4 sum to 7 bits"),
+    (["--anchor-bits", "4,7"], "--anchor-bits: anchor bits must be in 2..6, got 7"),
+    (["--planes", "4,4", "--anchor-bits", "3"], "not allowed with argument"),
+    (["--planes", "2,2,4", "--schemes", "int8"], "lynx is not among --schemes"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path: Path, args: list[str], message: str) -> None:
     proc = _lynx("sweep", "--quick", "--out", str(tmp_path / "o"), *args, timeout=120)

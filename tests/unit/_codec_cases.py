@@ -1,6 +1,6 @@
 """Shared hypothesis strategies for the codec tests: random layers that exercise
 partial groups, constant groups, large offsets relative to the range, and every
-supported dtype, bit width and split."""
+supported dtype, plane split and grid split."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from lynx_decode.codec_config import CodecConfig, Scheme, Split
+from lynx_decode.codec.config import CodecConfig, Scheme, Split
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,28 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], kind: int) -> np.n
 
 
 @st.composite
+def plane_splits(draw) -> tuple[int, ...]:
+    """Every valid split: an anchor of 2..6 bits, the rest cut into planes of >= 1 bit."""
+    anchor = draw(st.integers(2, 6))
+    cuts = draw(st.lists(st.booleans(), min_size=7 - anchor, max_size=7 - anchor))
+    parts, width = [anchor], 1
+    for cut in cuts:
+        if cut:
+            parts.append(width)
+            width = 1
+        else:
+            width += 1
+    return (*parts, width)
+
+
+@st.composite
 def cases(draw, schemes=(Scheme.LYNX,), max_tokens: int = 150) -> Case:
     heads = draw(st.integers(1, 3))
     tokens = draw(st.integers(1, max_tokens))
     dim = draw(st.sampled_from([1, 7, 16, 33, 64, 80]))
     config = CodecConfig(
         scheme=draw(st.sampled_from(schemes)),
-        bits=draw(st.integers(2, 6)),
+        planes=draw(st.one_of(plane_splits(), st.integers(2, 6).map(lambda b: (b, 8 - b)))),
         k_group=draw(st.sampled_from([1, 3, 16, 64, 100])),
         v_group=draw(st.sampled_from([1, 5, 32, 64, 128])),
         split=draw(st.sampled_from(list(Split))),

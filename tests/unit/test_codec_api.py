@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import lynx_decode
-from lynx_decode import Backend, CodecConfig, LayerLayout, Scheme, Stream, decode_layer, encode_layer
+from lynx_decode import Backend, CodecConfig, LayerLayout, Scheme, decode_layer, encode_layer
 from lynx_decode.codec import int8_codes
-from lynx_decode.codec_config import Split
+from lynx_decode.codec.config import Split
 from lynx_decode.errors import CodecError, LayoutError
 from lynx_transport.errors import BackendError
 
@@ -39,12 +39,12 @@ PARAMS = 2 * 2 * (H * -(-T // 64) * D + H * T)  # fp16 scale + zero for K [H, 3,
 )
 def test_streams_and_wire_sizes(kv, scheme: Scheme, anchor_payload: int, residual_payload: int) -> None:
     enc = encode_layer(*kv, CodecConfig(scheme))
-    assert set(enc.buffers) == ({Stream.ANCHOR, Stream.RESIDUAL} if scheme is Scheme.LYNX else {Stream.ANCHOR})
+    assert set(enc.buffers) == ({0, 1} if scheme is Scheme.LYNX else {0})
     for stream, buf in enc.buffers.items():
         assert buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous
-        assert buf.size == enc.wire_bytes(stream) == enc.layout.stream_size(stream)
-        payload = anchor_payload if stream is Stream.ANCHOR else residual_payload
-        regions = [r for r in enc.layout.regions if r.stream is stream]
+        assert buf.size == enc.wire_bytes(stream) == enc.layout.plane_size(stream)
+        payload = anchor_payload if stream == 0 else residual_payload
+        regions = [r for r in enc.layout.regions if r.plane == stream]
         assert sum(r.size for r in regions) == payload
         assert payload <= enc.wire_bytes(stream) < payload + 64 * len(regions)  # alignment padding only
     assert enc.wire_bytes() == sum(buf.size for buf in enc.buffers.values())
@@ -54,39 +54,40 @@ def test_streams_and_wire_sizes(kv, scheme: Scheme, anchor_payload: int, residua
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("split", list(Split))
 @pytest.mark.parametrize("tokens", [1, 63, T])
-def test_one_stream_at_a_time_gives_the_same_bytes(kv, backend: Backend, bits: int, split: Split,
-                                                   tokens: int) -> None:
+def test_one_plane_at_a_time_gives_the_same_bytes(kv, backend: Backend, bits: int, split: Split,
+                                                  tokens: int) -> None:
     k, v = (x[:, :tokens].copy() for x in kv)
-    config = CodecConfig(Scheme.LYNX, bits=bits, split=split)
-    both = encode_layer(k, v, config, backend=backend)
-    for stream in (Stream.ANCHOR, Stream.RESIDUAL):
-        one = encode_layer(k, v, config, backend=backend, streams=[stream])
-        assert set(one.buffers) == {stream}
-        assert np.array_equal(one.buffers[stream], both.buffers[stream])
+    for config in (CodecConfig(Scheme.LYNX, bits=bits, split=split),
+                   CodecConfig(Scheme.LYNX, planes=(bits, *([1] * (8 - bits))), split=split)):
+        every = encode_layer(k, v, config, backend=backend)
+        for plane in range(len(config.planes)):
+            one = encode_layer(k, v, config, backend=backend, planes=[plane])
+            assert set(one.buffers) == {plane}
+            assert np.array_equal(one.buffers[plane], every.buffers[plane])
 
 
-def test_streams_must_be_ones_the_scheme_has(kv) -> None:
-    for config, bad in ((CodecConfig(Scheme.INT8), [Stream.RESIDUAL]), (CodecConfig(), []),
-                        (CodecConfig(), ["anchor"])):
-        with pytest.raises(CodecError, match="streams must be"):
-            encode_layer(*kv, config, streams=bad)
-    only = encode_layer(*kv, CodecConfig(Scheme.INT4), streams=[Stream.ANCHOR])
-    assert np.array_equal(only.buffers[Stream.ANCHOR],
-                          encode_layer(*kv, CodecConfig(Scheme.INT4)).buffers[Stream.ANCHOR])
+def test_planes_must_be_ones_the_scheme_has(kv) -> None:
+    for config, bad in ((CodecConfig(Scheme.INT8), [1]), (CodecConfig(), []),
+                        (CodecConfig(), ["anchor"]), (CodecConfig(planes=(2, 2, 4)), [3])):
+        with pytest.raises(CodecError, match="planes must be"):
+            encode_layer(*kv, config, planes=bad)
+    only = encode_layer(*kv, CodecConfig(Scheme.INT4), planes=[0])
+    assert np.array_equal(only.buffers[0],
+                          encode_layer(*kv, CodecConfig(Scheme.INT4)).buffers[0])
 
 
 def test_anchor_stream_is_about_half_of_int8(kv) -> None:
     lynx = encode_layer(*kv, CodecConfig(bits=4))
     int8 = encode_layer(*kv, CodecConfig(Scheme.INT8))
     int4 = encode_layer(*kv, CodecConfig(Scheme.INT4))
-    assert lynx.wire_bytes(Stream.ANCHOR) == int4.wire_bytes(Stream.ANCHOR)
+    assert lynx.wire_bytes(0) == int4.wire_bytes(0)
     assert lynx.wire_bytes() == int8.wire_bytes()
 
 
 @pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.NUMBA])
 def test_decode_into_out_arrays_and_torch_tensors(kv, backend: Backend) -> None:
     enc = encode_layer(*kv, backend=backend)
-    a, r = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+    a, r = enc.buffers[0], enc.buffers[1]
     want_k, want_v = decode_layer(enc.layout, a, r, backend=backend)
     out_k = np.empty((H, T, D), np.float32)
     out_v = np.empty((H, T, D), np.float32)
@@ -109,7 +110,7 @@ def test_decode_into_a_cache_with_headroom(kv, backend: Backend, scheme: Scheme)
     from lynx_decode.model.buffers import KVBuffers, KVShape
 
     enc = encode_layer(*kv, CodecConfig(scheme), backend=backend)
-    a, r = enc.buffers[Stream.ANCHOR], enc.buffers.get(Stream.RESIDUAL)
+    a, r = enc.buffers[0], enc.buffers.get(1)
     want = decode_layer(enc.layout, a, r, backend=Backend.NUMPY)
     cache = KVBuffers(KVShape(2, H, T, D), headroom=5)
     k, v = cache.layer(1)
@@ -128,7 +129,7 @@ def test_decode_into_a_cache_with_headroom(kv, backend: Backend, scheme: Scheme)
 
 def test_strided_outputs_that_are_not_per_head_blocks_are_refused(kv) -> None:
     enc = encode_layer(*kv)
-    a = enc.buffers[Stream.ANCHOR]
+    a = enc.buffers[0]
     bad = {
         "overlapping heads": np.lib.stride_tricks.as_strided(np.empty(H * T * D, np.float32), (H, T, D),
                                                              (4 * D, 4 * D, 4)),
@@ -154,12 +155,12 @@ def test_torch_inputs_match_numpy(kv, dtype) -> None:
 def test_bf16_passthrough_is_lossless_for_bf16_input(kv) -> None:
     k, v = (torch.from_numpy(x).to(torch.bfloat16) for x in kv)
     enc = encode_layer(k, v, CodecConfig(Scheme.BF16))
-    got_k, _ = decode_layer(enc.layout, enc.buffers[Stream.ANCHOR])
+    got_k, _ = decode_layer(enc.layout, enc.buffers[0])
     np.testing.assert_array_equal(got_k, k.float().numpy())
 
 
 def test_auto_picks_numba_for_numpy_and_refuses_bad_requests(kv) -> None:
-    from lynx_decode.codec_backends import NumbaOps, select
+    from lynx_decode.codec.backends import NumbaOps, select
 
     assert isinstance(select(Backend.AUTO, np), NumbaOps)
     with pytest.raises(BackendError):  # no GPU here (or no CuPy): an explicit request must fail loudly
@@ -171,11 +172,11 @@ def test_auto_picks_numba_for_numpy_and_refuses_bad_requests(kv) -> None:
 def test_int8_codes_only_for_int8_and_lynx(kv) -> None:
     enc = encode_layer(*kv, CodecConfig(Scheme.INT4))
     with pytest.raises(CodecError, match="no 8-bit codes"):
-        int8_codes(enc.layout, enc.buffers[Stream.ANCHOR])
+        int8_codes(enc.layout, enc.buffers[0])
     lynx = encode_layer(*kv)
-    with pytest.raises(CodecError, match="residual"):
-        int8_codes(lynx.layout, lynx.buffers[Stream.ANCHOR])
-    k8, v8 = int8_codes(lynx.layout, lynx.buffers[Stream.ANCHOR], lynx.buffers[Stream.RESIDUAL])
+    with pytest.raises(CodecError, match="need all 2 plane buffers"):
+        int8_codes(lynx.layout, lynx.buffers[0])
+    k8, v8 = int8_codes(lynx.layout, lynx.buffers[0], lynx.buffers[1])
     assert k8.dtype == np.uint8 and k8.shape == (H, T, D)
     assert v8.dtype == np.uint8 and v8.shape == (H, T, D)
 
@@ -242,7 +243,7 @@ def test_fp16_passthrough_refuses_overflow(kv) -> None:
 
 def test_decode_rejects_bad_buffers_and_outputs(kv) -> None:
     enc = encode_layer(*kv)
-    a, r = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+    a, r = enc.buffers[0], enc.buffers[1]
     with pytest.raises(CodecError, match="holds"):
         decode_layer(enc.layout, a[:-1], r)
     with pytest.raises(CodecError, match="1-D uint8"):
@@ -256,10 +257,13 @@ def test_decode_rejects_bad_buffers_and_outputs(kv) -> None:
     with pytest.raises(CodecError, match="dtype"):
         decode_layer(enc.layout, a, r, dtype=np.int32)
     int8 = encode_layer(*kv, CodecConfig(Scheme.INT8))
-    with pytest.raises(CodecError, match="no residual"):
-        decode_layer(int8.layout, int8.buffers[Stream.ANCHOR], r)
+    with pytest.raises(CodecError, match="has 1 plane"):
+        decode_layer(int8.layout, int8.buffers[0], r)
+    with pytest.raises(CodecError, match="prefix"):
+        decode_layer(enc.layout, a, None, r)
     with pytest.raises(LayoutError):
-        decode_layer(LayerLayout(Scheme.LYNX, 4, enc.layout.split, H, T, D, 64, 64, enc.layout.regions[:-1]), a, r)
+        decode_layer(LayerLayout(Scheme.LYNX, (4, 4), enc.layout.split, H, T, D, 64, 64, enc.layout.regions[:-1]),
+                     a, r)
 
 
 def test_public_namespace() -> None:
@@ -270,7 +274,7 @@ def test_concurrent_decodes_from_threads_agree(kv) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     enc = encode_layer(*kv)
-    a, r = enc.buffers[Stream.ANCHOR], enc.buffers[Stream.RESIDUAL]
+    a, r = enc.buffers[0], enc.buffers[1]
     want = decode_layer(enc.layout, a, r)
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: decode_layer(enc.layout, a, r), range(16)))
@@ -285,17 +289,17 @@ def test_whole_cache_in_one_buffer_per_stream(kv) -> None:
     configs = [CodecConfig(bits=4), CodecConfig(Scheme.INT8), CodecConfig(bits=3), CodecConfig(Scheme.BF16)]
     encoded = [encode_layer(kv[0] * (i + 1), kv[1], c) for i, c in enumerate(configs)]
     cache = CacheLayout.from_bytes(CacheLayout.of(e.layout for e in encoded).to_bytes())
-    streams = {s: np.zeros(cache.stream_size(s), np.uint8) for s in Stream}
+    streams = {s: np.zeros(cache.plane_size(s), np.uint8) for s in range(cache.num_planes)}
     for i, e in enumerate(encoded):  # what the sender puts on the wire
         for s, buf in e.buffers.items():
             streams[s][slice(*cache.span(i, s))] = buf
     for i, e in enumerate(encoded):  # what the receiver decodes
         layer = cache.layers[i]
-        anchor = streams[Stream.ANCHOR][slice(*cache.span(i, Stream.ANCHOR))]
+        anchor = streams[0][slice(*cache.span(i, 0))]
         residual = None
-        if Stream.RESIDUAL in layer.streams:
-            residual = streams[Stream.RESIDUAL][slice(*cache.span(i, Stream.RESIDUAL))]
+        if layer.num_planes > 1:
+            residual = streams[1][slice(*cache.span(i, 1))]
         got = decode_layer(layer, anchor, residual)
-        want = decode_layer(e.layout, e.buffers[Stream.ANCHOR], e.buffers.get(Stream.RESIDUAL))
+        want = decode_layer(e.layout, e.buffers[0], e.buffers.get(1))
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])

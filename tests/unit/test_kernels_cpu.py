@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lynx_decode import codec_pack as pk
+from lynx_decode.codec import pack as pk
 from lynx_kernels import cpu_codec, cpu_pack
 
 
-@pytest.mark.parametrize("bits", cpu_pack.WIDTHS)
+@pytest.mark.parametrize("bits", cpu_pack.SPLIT_WIDTHS)
 def test_split_merge_unpack_match_reference(bits: int) -> None:
     codes = np.random.default_rng(bits).integers(0, 256, 64 * 37).astype(np.uint8)
     anchor, residual = pk.split(codes, bits, np)
@@ -26,17 +26,21 @@ def test_split_merge_unpack_match_reference(bits: int) -> None:
     np.testing.assert_array_equal(top, codes >> (8 - bits))
 
 
-def test_pack4_matches_reference() -> None:
-    values = np.random.default_rng(0).integers(0, 16, 64 * 5).astype(np.uint8)
-    packed = np.zeros(values.size // 2, np.uint8)
-    cpu_pack.pack_kernel(4)(values.view(np.uint64), packed.view(np.uint64))
-    np.testing.assert_array_equal(packed, pk.pack(values, 4, np))
+@pytest.mark.parametrize("width", cpu_pack.WIDTHS)
+def test_pack_unpack_match_reference(width: int) -> None:
+    values = np.random.default_rng(width).integers(0, 1 << width, 64 * 5).astype(np.uint8)
+    packed = np.zeros(pk.packed_size(values.size, width), np.uint8)
+    cpu_pack.pack_kernel(width)(values.view(np.uint64), packed.view(np.uint64))
+    np.testing.assert_array_equal(packed, pk.pack(values, width, np))
+    back = np.zeros_like(values)
+    cpu_pack.unpack_kernel(width)(packed.view(np.uint64), back.view(np.uint64))
+    np.testing.assert_array_equal(back, values)
 
 
 def test_split_handles_extreme_codes() -> None:
     for fill in (0x00, 0xFF, 0x80, 0x7F):
         codes = np.full(64, fill, np.uint8)
-        for bits in cpu_pack.WIDTHS:
+        for bits in cpu_pack.SPLIT_WIDTHS:
             a = np.zeros(8 * bits, np.uint8)
             r = np.zeros(8 * (8 - bits), np.uint8)
             cpu_pack.split_kernel(bits)(codes.view(np.uint64), a.view(np.uint64), r.view(np.uint64))

@@ -3,7 +3,7 @@ through the CuPy backend's own launch code, produce the NumPy reference's bytes.
 
 There is no GPU on most CI machines; this checks everything in ``codec.cu`` but
 the launch itself (bit packing, parameter indexing, rounding) and the argument
-order of :class:`lynx_decode.codec_cupy.CupyOps`. The real-device comparison is
+order of :class:`lynx_decode.codec.gpu.CupyOps`. The real-device comparison is
 ``tests/integration/test_codec_gpu.py`` (marked ``gpu``).
 """
 
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from lynx_decode.codec import _decode_with, _encode_with
-from lynx_decode.codec_backends import ReferenceOps
-from lynx_decode.codec_config import Scheme, Stream
-from lynx_decode.codec_cupy import CupyOps
-from lynx_decode.codec_inputs import as_byte_buffer, as_tensor
+from lynx_decode.codec.api import _decode_with, _encode_with
+from lynx_decode.codec.backends import ReferenceOps
+from lynx_decode.codec.config import Scheme
+from lynx_decode.codec.gpu import CupyOps
+from lynx_decode.codec.inputs import as_byte_buffer, as_tensor
 from lynx_kernels import cuda
 from tests.unit._codec_cases import cases
 
@@ -41,6 +41,15 @@ _KERNELS = {
         "const u8 *a0, float a1, float a2, const float *a3, const float *a4, float *a5, int a6, int a7, int a8, "
         "int a9, int a10, long long a11",
         "a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11",
+    ),
+    "lynx_end_codes": (
+        "const u8 *a0, float *a1, float *a2, int a3, int a4, int a5, int a6, int a7, int a8, long long a9",
+        "a0, a1, a2, a3, a4, a5, a6, a7, a8, a9",
+    ),
+    "lynx_dequant_ends": (
+        "const u8 *a0, float a1, float a2, int a3, const float *a4, const float *a5, const float *a6, "
+        "const float *a7, float *a8, int a9, int a10, int a11, int a12, int a13, long long a14",
+        "a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14",
     ),
 }
 
@@ -97,13 +106,12 @@ def test_cuda_kernel_bodies_match_reference(host_lib, case) -> None:
     tk, tv = as_tensor(k, "K"), as_tensor(v, "V")
     ref = _encode_with(ref_ops, tk, tv, case.config)
     got = _encode_with(ops, tk, tv, case.config)
-    for stream in ref.layout.streams:
+    for stream in range(ref.layout.num_planes):
         np.testing.assert_array_equal(got.buffers[stream], ref.buffers[stream])
-    a = ref.buffers[Stream.ANCHOR]
-    residual = ref.buffers.get(Stream.RESIDUAL)
-    for res in [None] if residual is None else [None, residual]:
-        want = _decode_with(ref_ops, ref.layout, a, res, None, None, None)
-        have = _decode_with(ops, ref.layout, a, res, None, None, None)
+    for n in range(1, ref.layout.num_planes + 1):  # every prefix of the planes
+        bufs = [ref.buffers[p] for p in range(n)]
+        want = _decode_with(ref_ops, ref.layout, bufs, None, None, None)
+        have = _decode_with(ops, ref.layout, bufs, None, None, None)
         for g, w in zip(have, want):
             np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
 

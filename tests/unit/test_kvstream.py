@@ -7,8 +7,8 @@ import zlib
 
 import pytest
 
-from lynx_decode.codec_config import CodecConfig, Scheme, Stream
-from lynx_decode.codec_layout import CacheLayout, LayerLayout
+from lynx_decode.codec.config import CodecConfig, Scheme
+from lynx_decode.codec.layout import CacheLayout, LayerLayout
 from lynx_decode.errors import DecodeError, LayoutError
 from lynx_decode.kvstream import KVHeader, region_name
 from lynx_decode.model.protocol import ModelInfo
@@ -33,7 +33,7 @@ def test_header_round_trips_and_lists_anchor_regions_first() -> None:
     assert regions[0] == ("tokens", 400, int(Lane.ANCHOR))
     lanes = [lane for _, _, lane in regions]
     assert lanes == sorted(lanes)
-    assert (region_name(2, Stream.RESIDUAL), header.layout.layers[2].stream_size(Stream.RESIDUAL),
+    assert (region_name(2, 1), header.layout.layers[2].plane_size(1),
             int(Lane.RESIDUAL)) in regions
     assert back.check_model(INFO).tokens == 99
 
@@ -76,9 +76,11 @@ def test_stream_that_does_not_fit_the_model_is_refused() -> None:
 
 
 def test_request_round_trip_and_validation() -> None:
-    req = KVRequest("id", Scheme.LYNX, 3, "chat", ("127.0.0.1", 5000), 1.5)
+    req = KVRequest("id", Scheme.LYNX, (3, 5), "chat", ("127.0.0.1", 5000), 1.5)
     assert KVRequest.from_metadata(req.to_metadata()) == req
-    held = KVRequest("id", Scheme.LYNX, 3, "chat", ("127.0.0.1", 5000), hold_residual=True)
+    split = KVRequest("id", Scheme.LYNX, (2, 2, 4), "ids", ("127.0.0.1", 5000))
+    assert KVRequest.from_metadata(split.to_metadata()).planes == (2, 2, 4)
+    held = KVRequest("id", Scheme.LYNX, (3, 5), "chat", ("127.0.0.1", 5000), hold_residual=True)
     assert KVRequest.from_metadata(held.to_metadata()) == held
     raw = json.loads(req.to_metadata())
     del raw["hold_residual"]  # a requester that does not know the field: no hold
@@ -86,9 +88,13 @@ def test_request_round_trip_and_validation() -> None:
     with pytest.raises(DecodeError, match="hold_residual must be a boolean"):
         KVRequest.from_metadata(json.dumps({**raw, "hold_residual": "yes"}).encode())
     with pytest.raises(ConfigError, match="bandwidth"):
-        KVRequest("id", Scheme.LYNX, 3, "text", ("h", 1), 0.0)
-    with pytest.raises(ConfigError, match="anchor bits"):
-        KVRequest("id", Scheme.LYNX, 7, "text", ("h", 1))
+        KVRequest("id", Scheme.LYNX, (3, 5), "text", ("h", 1), 0.0)
+    with pytest.raises(ConfigError, match="anchor"):
+        KVRequest("id", Scheme.LYNX, (7, 1), "text", ("h", 1))
+    with pytest.raises(ConfigError, match="sum to 9"):
+        KVRequest("id", Scheme.LYNX, (4, 5), "text", ("h", 1))
+    with pytest.raises(DecodeError, match="planes"):
+        KVRequest.from_metadata(json.dumps({**raw, "planes": [4, 0, 4]}).encode())
     with pytest.raises(DecodeError, match="not a Lynx KV request"):
         KVRequest.from_metadata(b'{"format": "x"}')
     assert parse_error_reply(error_reply("id", "boom")) == ("id", "boom")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lynx_decode.codec import decode_layer, encode_layer
-from lynx_decode.codec_config import CodecConfig, Scheme, Stream
+from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import CodecError
 from lynx_decode.kvstream import KVAssembler, send_cache, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers
@@ -105,8 +105,8 @@ def decode_side(transport: Transport, pool_bytes: int = 16 << 20) -> Iterator[tu
 
 def _reference(prefill: Prefill, config: CodecConfig, i: int, *, residual: bool = True) -> tuple:
     enc = encode_layer(prefill.kv.keys[i], prefill.kv.values[i], config)
-    res = enc.buffers.get(Stream.RESIDUAL) if residual else None
-    return decode_layer(enc.layout, enc.buffers[Stream.ANCHOR], res)
+    res = enc.buffers.get(1) if residual else None
+    return decode_layer(enc.layout, enc.buffers[0], res)
 
 
 @pytest.mark.parametrize("scheme", [Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX])

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lynx_decode.codec_config import CodecConfig, Scheme, Split, Stream
-from lynx_decode.codec_layout import ALIGN, CacheLayout, LayerLayout
+from lynx_decode.codec.config import CodecConfig, Scheme, Split
+from lynx_decode.codec.layout import ALIGN, CacheLayout, LayerLayout
 from lynx_decode.errors import CodecError, LayoutError
 
 configs = st.builds(
@@ -40,28 +40,33 @@ def test_round_trip(items: list[LayerLayout]) -> None:
     data = cache.to_bytes()
     assert CacheLayout.from_bytes(data) == cache
     for i, layer in enumerate(cache.layers):
-        for stream in layer.streams:
+        for stream in range(layer.num_planes):
             assert cache.offset(i, stream) % ALIGN == 0
-    for stream in Stream:
-        ends = [cache.offset(i, stream) + layer.stream_size(stream)
-                for i, layer in enumerate(cache.layers) if stream in layer.streams]
-        assert cache.stream_size(stream) == max(ends, default=0)
+    for stream in range(cache.num_planes):
+        ends = [cache.offset(i, stream) + layer.plane_size(stream)
+                for i, layer in enumerate(cache.layers) if stream < layer.num_planes]
+        assert cache.plane_size(stream) == max(ends, default=0)
 
 
 def test_sizes_follow_shapes_and_bits() -> None:
     n = 3 * 2014 * 64
     lynx = LayerLayout.build(CodecConfig(bits=4), 3, 2014, 64)
     assert lynx.region("k_data").size == -(-n // 64) * 32
-    assert lynx.region("k_residual").size == -(-n // 64) * 32
+    assert lynx.region("k_plane1").size == -(-n // 64) * 32
     assert lynx.region("k_scale").shape == (3, 32, 64)
     assert lynx.region("v_scale").shape == (3, 2014, 1)
     int8 = LayerLayout.build(CodecConfig(Scheme.INT8), 3, 2014, 64)
-    assert int8.streams == (Stream.ANCHOR,)
+    assert int8.num_planes == 1
     assert int8.region("k_data").size == n
     # anchor + residual carry the same payload as INT8, and the anchor stream is about half
-    assert lynx.stream_size(Stream.ANCHOR) + lynx.stream_size(Stream.RESIDUAL) == int8.stream_size(Stream.ANCHOR)
+    assert lynx.plane_size(0) + lynx.plane_size(1) == int8.plane_size(0)
     three = LayerLayout.build(CodecConfig(bits=3), 3, 2014, 64)
     assert three.region("k_data").size == n * 3 // 8
+    split = LayerLayout.build(CodecConfig(planes=(2, 2, 4)), 3, 2014, 64)
+    assert [split.region(f"k_{name}").size for name in ("data", "plane1", "plane2")] == [
+        -(-n // 64) * 16, -(-n // 64) * 16, -(-n // 64) * 32]
+    assert sum(r.size for r in split.regions) == sum(r.size for r in int8.regions)  # the same payload
+    assert [r.plane for r in split.regions] == [0, 0, 0, 0, 0, 0, 1, 1, 2, 2]
 
 
 def _mutate(path: list, value, data: bytes) -> bytes:
@@ -79,15 +84,20 @@ def _mutate(path: list, value, data: bytes) -> bytes:
 _DELETE = object()
 
 BAD = [
-    (["version"], 2, "version"),
+    (["version"], 1, "version"),
     (["version"], True, "version"),
     (["format"], "other", "format"),
     (["layers"], [], "layers"),
     (["layers", 0, "scheme"], "int3", "scheme"),
     (["layers", 0, "split"], "lsb", "split"),
-    (["layers", 0, "bits"], 7, "bits"),
-    (["layers", 0, "bits"], 1, "bits"),
-    (["layers", 0, "bits"], 4.0, "bits"),
+    (["layers", 0, "planes"], [7, 1], "anchor"),
+    (["layers", 0, "planes"], [1, 7], "anchor"),
+    (["layers", 0, "planes"], [4.0, 4], "plane width"),
+    (["layers", 0, "planes"], [4, 3], "sum to 7"),
+    (["layers", 0, "planes"], [4, 0, 4], "at least 1 bit"),
+    (["layers", 0, "planes"], [2, 1, 1, 1, 1, 1, 1, 1], "planes"),
+    (["layers", 0, "planes"], [2, 2, 4], "inconsistent|regions"),
+    (["layers", 0, "planes"], "4,4", "planes"),
     (["layers", 0, "tokens"], 2015, "inconsistent"),
     (["layers", 0, "tokens"], 10**12, "tokens"),
     (["layers", 0, "kv_heads"], 0, "kv_heads"),
@@ -98,16 +108,18 @@ BAD = [
     (["layers", 0, "regions", 2, "dtype"], "float64", "dtype"),
     (["layers", 0, "regions", 2, "dtype"], "uint8", "inconsistent"),
     (["layers", 0, "regions", 2, "shape"], [3, 33, 64], "inconsistent"),
-    (["layers", 0, "regions", 0, "stream"], "residual", "inconsistent"),
-    (["layers", 0, "regions", 0, "stream"], "bulk", "stream"),
+    (["layers", 0, "regions", 0, "plane"], 1, "inconsistent"),
+    (["layers", 0, "regions", 0, "plane"], "anchor", "plane"),
+    (["layers", 0, "regions", 0, "plane"], 8, "plane"),
     (["layers", 0, "regions", 0, "bits"], 5, "inconsistent"),
     (["layers", 0, "regions", 0, "name"], "x" * 100, "name"),
     (["layers", 0, "regions"], [], "regions"),
-    (["layers", 0, "offsets", "anchor"], 32, "multiple"),
-    (["layers", 1, "offsets", "anchor"], 0, "overlap"),
-    (["layers", 0, "offsets", "anchor"], -64, "offset"),
-    (["layers", 0, "offsets", "anchor"], 1 << 50, "offset"),
-    (["layers", 1, "offsets", "residual"], 0, "offsets for"),
+    (["layers", 0, "offsets", 0], 32, "multiple"),
+    (["layers", 1, "offsets", 0], 0, "overlap"),
+    (["layers", 0, "offsets", 0], -64, "offset"),
+    (["layers", 0, "offsets", 0], 1 << 50, "offset"),
+    (["layers", 1, "offsets"], [0, 0, 0], "offsets"),
+    (["layers", 1, "offsets"], {"anchor": 0}, "offsets"),
     (["layers", 0, "tokens"], _DELETE, "missing"),
     (["layers", 0, "extra"], 1, "unknown"),
 ]

@@ -32,8 +32,8 @@ from lynx_bench.load import (
     summary_table,
     write_load_json,
 )
-from lynx_decode.codec_config import CodecConfig, Scheme, Stream
-from lynx_decode.codec_layout import CacheLayout, LayerLayout
+from lynx_decode.codec.config import CodecConfig, Scheme
+from lynx_decode.codec.layout import CacheLayout, LayerLayout
 from lynx_decode.kvstream import KVHeader
 from lynx_transport.errors import ConfigError
 
@@ -114,7 +114,7 @@ def test_lynx_carries_the_int8_bytes_split_in_two() -> None:
     # the split costs alignment padding only
     assert 0 <= sum(lynx) - sum(int8) < SMOLLM2.layers * 256
     layer = LayerLayout.build(CodecConfig(scheme=Scheme.INT8), 3, 4095, 64)
-    assert int8[0] == 4 * 4096 + 30 * layer.stream_size(Stream.ANCHOR)
+    assert int8[0] == 4 * 4096 + 30 * layer.plane_size(0)
 
 
 def test_rate_from_load() -> None:

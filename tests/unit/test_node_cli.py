@@ -18,7 +18,7 @@ from lynx_bench import generate_cli, serve_cli
 from lynx_bench.cli import _parser, configure_logging
 from lynx_bench.node_args import timeout_argv, timeouts
 from lynx_bench.sweep import config_from_args
-from lynx_decode.codec_config import Scheme
+from lynx_decode.codec.config import Scheme
 from lynx_decode.model.protocol import ModelInfo
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.config import TransportConfig

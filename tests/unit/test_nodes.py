@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lynx_decode.codec_config import Scheme
+from lynx_decode.codec.config import Scheme
 from lynx_decode.decode_node import DecodeNode
 from lynx_decode.errors import DecodeError, ServerBusyError
 from lynx_decode.events import Event, Tentative
@@ -80,6 +80,22 @@ def test_lynx_commits_exactly_what_int8_decodes(nodes: Any) -> None:
     assert lynx.metrics["bytes_residual"] > 0 and int8.metrics["bytes_residual"] == 0
     assert lynx.metrics["bytes_anchor"] < int8.metrics["bytes_anchor"]
     assert wait_until(lambda: prefill.served == 2, 5)  # counted once the confirmation is back
+
+
+def test_auto_split_follows_the_link(nodes: Any) -> None:
+    prefill, decode, _ = nodes
+    first = decode.run(prefill.address, PROMPT, scheme=Scheme.LYNX, planes="auto", max_new_tokens=6)
+    assert first.metrics["planes"] == [4, 4] and "default" in first.metrics["split_choice"]
+    fast = decode.run(prefill.address, PROMPT, scheme=Scheme.LYNX, planes="auto", max_new_tokens=6,
+                      bandwidth_gbps=100.0)
+    assert fast.metrics["scheme"] == "int8" and fast.metrics["planes"] is None
+    assert "no split" in fast.metrics["split_choice"]
+    slow = decode.run(prefill.address, PROMPT, scheme=Scheme.LYNX, planes="auto", max_new_tokens=6,
+                      bandwidth_gbps=1e-4)
+    assert slow.metrics["planes"] == [3, 5] and slow.tokens == fast.tokens
+    # INT8 asked for stays INT8
+    assert decode.run(prefill.address, PROMPT, scheme=Scheme.INT8, planes="auto",
+                      max_new_tokens=6).metrics["split_choice"] is None
 
 
 @pytest.mark.parametrize("scheme", [Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX])
@@ -196,7 +212,7 @@ def test_many_requests_from_many_decode_nodes_at_once(transport: Transport,
                 assert result.tokens == reference[k % 3]  # every LYNX request commits INT8's tokens
                 assert result.metrics["ttft_from_request_s"] >= result.metrics["ttft_s"]
                 assert result.metrics["queue_s"] >= 0
-            lines = [r.getMessage() for r in caplog.records if "tokens, lynx b=4" in r.getMessage()]
+            lines = [r.getMessage() for r in caplog.records if "tokens, lynx planes=4,4" in r.getMessage()]
             assert len(lines) == 12
             assert "anchor" in lines[0] and "residual" in lines[0] and "sent in" in lines[0]
         finally:

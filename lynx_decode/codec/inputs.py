@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lynx_decode.codec_quant import bf16_bits_to_f32
+from lynx_decode.codec.quant import bf16_bits_to_f32
 from lynx_decode.errors import CodecError
 from lynx_transport.errors import BackendError
 

@@ -1,16 +1,19 @@
-"""The layout descriptor: where every region of every layer sits in the streams.
+"""The layout descriptor: where every region of every layer sits on its plane.
 
 A :class:`CacheLayout` is what the prefill node sends ahead of the bytes (the
 transport carries it in its manifest) so the decode node can register receive
 memory and decode each layer as it lands. It is versioned, serialises to compact
 JSON (:meth:`CacheLayout.to_bytes`), and :meth:`CacheLayout.from_bytes` accepts
 only descriptors that are exactly consistent: every region must be where
-:meth:`LayerLayout.build` would put it for the layer's scheme, bits, shapes and
+:meth:`LayerLayout.build` would put it for the layer's scheme, planes, shapes and
 group sizes. Anything else raises :class:`LayoutError` naming the problem.
 
-Per layer, each stream carries one contiguous buffer; inside it regions start at
-multiples of :data:`ALIGN` bytes (zero padding between). In the cache, layer
-``i``'s buffer on a stream starts at ``offsets[i][stream]``, also aligned.
+Per layer, each plane (:mod:`~lynx_decode.codec.config`'s plane table) carries
+one contiguous buffer; inside it regions start at multiples of :data:`ALIGN`
+bytes (zero padding between). Plane 0 holds ``k_data``/``v_data`` (INT8 codes,
+packed INT4 codes, or LYNX's packed top plane) and the four scale/zero grids;
+LYNX plane ``i >= 1`` holds ``k_plane{i}``/``v_plane{i}``. In the cache, layer
+``i``'s buffer of plane ``p`` starts at ``offsets[i][p]``, also aligned.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lynx_decode.codec_config import MAX_BITS, MIN_BITS, CodecConfig, Scheme, Split, Stream
-from lynx_decode.codec_pack import packed_size
+from lynx_decode.codec.config import MAX_PLANES, CodecConfig, Plane, Scheme, Split, check_planes, plane_table
+from lynx_decode.codec.pack import packed_size
 from lynx_decode.errors import CodecError, LayoutError
 
-__all__ = ["DType", "Region", "LayerLayout", "CacheLayout", "FORMAT_VERSION", "ALIGN", "MAX_DESCRIPTOR_BYTES"]
+__all__ = ["DType", "Region", "LayerLayout", "CacheLayout", "FORMAT_VERSION", "ALIGN", "MAX_DESCRIPTOR_BYTES",
+           "plane_region"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the plane table (planes, region planes) replaces bits/streams
 FORMAT_NAME = "lynx-kv-layout"
 ALIGN = 64
 MAX_DESCRIPTOR_BYTES = 4 << 20
@@ -56,7 +60,7 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Region:
-    """A named byte range of one layer's buffer on one stream.
+    """A named byte range of one layer's buffer on one plane.
 
     ``bits`` is the width of each value: 16 for float regions, 8 for plain INT8
     codes, the packed width for bit-packed regions (whose ``shape`` is their byte
@@ -64,7 +68,7 @@ class Region:
     """
 
     name: str
-    stream: Stream
+    plane: int
     offset: int
     size: int
     dtype: DType
@@ -74,7 +78,7 @@ class Region:
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "stream": self.stream.value,
+            "plane": self.plane,
             "offset": self.offset,
             "size": self.size,
             "dtype": self.dtype.value,
@@ -83,41 +87,46 @@ class Region:
         }
 
 
+def plane_region(kind: str, plane: int) -> str:
+    """The name of tensor ``kind``'s ("k"/"v") region on ``plane``."""
+    return f"{kind}_data" if plane == 0 else f"{kind}_plane{plane}"
+
+
 def _regions(
-    scheme: Scheme, bits: int, heads: int, tokens: int, dim: int, k_group: int, v_group: int
+    scheme: Scheme, planes: tuple[int, ...], heads: int, tokens: int, dim: int, k_group: int, v_group: int
 ) -> tuple[Region, ...]:
     n = heads * tokens * dim
-    specs: list[tuple[str, Stream, DType, tuple[int, ...], int, int]] = []  # name, stream, dtype, shape, bits, size
+    specs: list[tuple[str, int, DType, tuple[int, ...], int, int]] = []  # name, plane, dtype, shape, bits, size
+    table = plane_table(scheme, planes)
 
-    def packed(name: str, stream: Stream, width: int) -> None:
+    def packed(name: str, plane: int, width: int) -> None:
         size = packed_size(n, width)
-        specs.append((name, stream, DType.UINT8, (size,), width, size))
+        specs.append((name, plane, DType.UINT8, (size,), width, size))
 
     if scheme in (Scheme.BF16, Scheme.FP16):
         dtype = DType.BFLOAT16 if scheme is Scheme.BF16 else DType.FLOAT16
         for name in ("k_data", "v_data"):
-            specs.append((name, Stream.ANCHOR, dtype, (heads, tokens, dim), 16, 2 * n))
+            specs.append((name, 0, dtype, (heads, tokens, dim), 16, 2 * n))
     else:
         if scheme is Scheme.INT8:
             for name in ("k_data", "v_data"):
-                specs.append((name, Stream.ANCHOR, DType.UINT8, (heads, tokens, dim), 8, n))
+                specs.append((name, 0, DType.UINT8, (heads, tokens, dim), 8, n))
         else:
-            width = 4 if scheme is Scheme.INT4 else bits
-            packed("k_data", Stream.ANCHOR, width)
-            packed("v_data", Stream.ANCHOR, width)
+            packed("k_data", 0, table[0].bits)
+            packed("v_data", 0, table[0].bits)
         k_shape = (heads, -(-tokens // k_group), dim)
         v_shape = (heads, tokens, -(-dim // v_group))
         for name, grid in (("k_scale", k_shape), ("k_zero", k_shape), ("v_scale", v_shape), ("v_zero", v_shape)):
-            specs.append((name, Stream.ANCHOR, DType.FLOAT16, grid, 16, 2 * grid[0] * grid[1] * grid[2]))
-        if scheme is Scheme.LYNX:
-            packed("k_residual", Stream.RESIDUAL, 8 - bits)
-            packed("v_residual", Stream.RESIDUAL, 8 - bits)
-    cursor = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+            specs.append((name, 0, DType.FLOAT16, grid, 16, 2 * grid[0] * grid[1] * grid[2]))
+        for plane in table[1:]:
+            packed(plane_region("k", plane.index), plane.index, plane.bits)
+            packed(plane_region("v", plane.index), plane.index, plane.bits)
+    cursor = [0] * len(table)
     out = []
-    for name, stream, dtype, shape, width, size in specs:
-        offset = _align(cursor[stream])
-        out.append(Region(name, stream, offset, size, dtype, shape, width))
-        cursor[stream] = offset + size
+    for name, plane_index, dtype, shape, width, size in specs:
+        offset = _align(cursor[plane_index])
+        out.append(Region(name, plane_index, offset, size, dtype, shape, width))
+        cursor[plane_index] = offset + size
     return tuple(out)
 
 
@@ -138,10 +147,10 @@ def _enum(cls: Any, value: Any, what: str) -> Any:
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """One layer: its scheme, shapes and the regions of its buffers."""
+    """One layer: its scheme, plane table, shapes and the regions of its buffers."""
 
     scheme: Scheme
-    bits: int
+    planes: tuple[int, ...]
     split: Split
     kv_heads: int
     tokens: int
@@ -156,24 +165,34 @@ class LayerLayout:
         _int(kv_heads, "kv_heads", 1, MAX_HEADS)
         _int(tokens, "tokens", 1, MAX_TOKENS)
         _int(head_dim, "head_dim", 1, MAX_HEAD_DIM)
-        regions = _regions(config.scheme, config.bits, kv_heads, tokens, head_dim, config.k_group, config.v_group)
+        regions = _regions(config.scheme, config.planes, kv_heads, tokens, head_dim, config.k_group, config.v_group)
         return cls(
-            config.scheme, config.bits, config.split, kv_heads, tokens, head_dim,
+            config.scheme, config.planes, config.split, kv_heads, tokens, head_dim,
             config.k_group, config.v_group, regions,
         )
 
     @property
     def config(self) -> CodecConfig:
-        return CodecConfig(self.scheme, self.bits, self.k_group, self.v_group, self.split)
+        return CodecConfig(self.scheme, k_group=self.k_group, v_group=self.v_group, split=self.split,
+                           planes=self.planes)
+
+    @property
+    def bits(self) -> int:
+        """The anchor width (LYNX's first plane; it also shapes a ``Split.ROUNDED`` grid)."""
+        return self.planes[0]
+
+    @property
+    def plane_table(self) -> tuple[Plane, ...]:
+        """The planes this layer has a buffer on (plane 0 first)."""
+        return plane_table(self.scheme, self.planes)
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.kv_heads, self.tokens, self.head_dim)
 
     @property
-    def streams(self) -> tuple[Stream, ...]:
-        """The streams this layer has a buffer on (ANCHOR first)."""
-        return tuple(s for s in Stream if any(r.stream is s for r in self.regions))
+    def num_planes(self) -> int:
+        return len(self.plane_table)
 
     def region(self, name: str) -> Region:
         for r in self.regions:
@@ -181,15 +200,18 @@ class LayerLayout:
                 return r
         raise LayoutError(f"layer has no region {name!r} (scheme {self.scheme.value})")
 
-    def stream_size(self, stream: Stream) -> int:
-        """Bytes of this layer's buffer on ``stream`` (0 when it has none)."""
-        return max((r.offset + r.size for r in self.regions if r.stream is stream), default=0)
+    def plane_size(self, plane: int) -> int:
+        """Bytes of this layer's buffer on ``plane`` (0 when it has none)."""
+        return max((r.offset + r.size for r in self.regions if r.plane == plane), default=0)
 
     def validate(self) -> None:
         """Raise :class:`LayoutError` unless this layout is exactly what :meth:`build` gives."""
         _enum(Scheme, self.scheme, "scheme")
         _enum(Split, self.split, "split")
-        _int(self.bits, "bits", MIN_BITS, MAX_BITS)
+        try:
+            check_planes(self.planes)
+        except CodecError as exc:
+            raise LayoutError(str(exc)) from None
         for name in ("k_group", "v_group"):
             _int(getattr(self, name), name, 1, 1 << 16)
         try:
@@ -202,18 +224,18 @@ class LayerLayout:
             )
         for got, want in zip(self.regions, expected.regions):
             if got != want:
-                fields = ("name", "stream", "offset", "size", "dtype", "shape", "bits")
+                fields = ("name", "plane", "offset", "size", "dtype", "shape", "bits")
                 diff = [f for f in fields if getattr(got, f) != getattr(want, f)]
                 raise LayoutError(
                     f"region {got.name!r} is inconsistent with a {self.scheme.value} layer of shape {self.shape}, "
-                    f"bits={self.bits}, groups=({self.k_group}, {self.v_group}): bad {', '.join(diff)} "
+                    f"planes={list(self.planes)}, groups=({self.k_group}, {self.v_group}): bad {', '.join(diff)} "
                     f"(got {[getattr(got, f) for f in diff]}, expected {[getattr(want, f) for f in diff]})"
                 )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "scheme": self.scheme.value,
-            "bits": self.bits,
+            "planes": list(self.planes),
             "split": self.split.value,
             "kv_heads": self.kv_heads,
             "tokens": self.tokens,
@@ -227,14 +249,15 @@ class LayerLayout:
     def from_json(cls, obj: Any) -> LayerLayout:
         """Parse and validate one layer (``LayoutError`` on anything inconsistent)."""
         d = _fields(
-            obj, "layer", ("scheme", "bits", "split", "kv_heads", "tokens", "head_dim", "k_group", "v_group", "regions")
+            obj, "layer",
+            ("scheme", "planes", "split", "kv_heads", "tokens", "head_dim", "k_group", "v_group", "regions"),
         )
         raw = d["regions"]
-        if not isinstance(raw, list) or len(raw) > 16:
-            raise LayoutError("layer regions must be a list of at most 16 regions")
+        if not isinstance(raw, list) or len(raw) > 6 + 2 * MAX_PLANES:
+            raise LayoutError(f"layer regions must be a list of at most {6 + 2 * MAX_PLANES} regions")
         regions = []
         for item in raw:
-            r = _fields(item, "region", ("name", "stream", "offset", "size", "dtype", "shape", "bits"))
+            r = _fields(item, "region", ("name", "plane", "offset", "size", "dtype", "shape", "bits"))
             if not isinstance(r["name"], str) or len(r["name"]) > 64:
                 raise LayoutError(f"region name must be a short string, got {r['name']!r}")
             shape = r["shape"]
@@ -243,7 +266,7 @@ class LayerLayout:
             regions.append(
                 Region(
                     r["name"],
-                    _enum(Stream, r["stream"], "stream"),
+                    _int(r["plane"], f"region {r['name']!r} plane", 0, MAX_PLANES - 1),
                     _int(r["offset"], f"region {r['name']!r} offset", 0, MAX_STREAM_BYTES),
                     _int(r["size"], f"region {r['name']!r} size", 0, MAX_STREAM_BYTES),
                     _enum(DType, r["dtype"], "dtype"),
@@ -251,9 +274,12 @@ class LayerLayout:
                     _int(r["bits"], f"region {r['name']!r} bits", 1, 16),
                 )
             )
+        planes = d["planes"]
+        if not isinstance(planes, list) or not 1 <= len(planes) <= MAX_PLANES:
+            raise LayoutError(f"layer planes must be a list of 1..{MAX_PLANES} widths, got {planes!r}")
         layer = cls(
             _enum(Scheme, d["scheme"], "scheme"),
-            _int(d["bits"], "bits", MIN_BITS, MAX_BITS),
+            tuple(_int(w, "plane width", 0, 8) for w in planes),
             _enum(Split, d["split"], "split"),
             _int(d["kv_heads"], "kv_heads", 1, MAX_HEADS),
             _int(d["tokens"], "tokens", 1, MAX_TOKENS),
@@ -278,50 +304,50 @@ def _fields(obj: Any, what: str, keys: tuple[str, ...]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """All layers of a cache, and where each layer's buffer sits in each stream."""
+    """All layers of a cache, and where each layer's buffer sits on each plane."""
 
     layers: tuple[LayerLayout, ...]
-    offsets: tuple[tuple[tuple[Stream, int], ...], ...] = field(default=())
+    offsets: tuple[tuple[int, ...], ...] = field(default=())
     version: int = FORMAT_VERSION
 
     @classmethod
     def of(cls, layers: Any) -> CacheLayout:
-        """Place ``layers`` one after another in each stream (aligned)."""
+        """Place ``layers`` one after another on each plane (aligned)."""
         layers = tuple(layers)
-        cursor = {s: 0 for s in Stream}
+        cursor = [0] * MAX_PLANES
         offsets = []
         for layer in layers:
             placed = []
-            for stream in layer.streams:
-                placed.append((stream, cursor[stream]))
-                cursor[stream] = _align(cursor[stream] + layer.stream_size(stream))
+            for plane in range(layer.num_planes):
+                placed.append(cursor[plane])
+                cursor[plane] = _align(cursor[plane] + layer.plane_size(plane))
             offsets.append(tuple(placed))
         out = cls(layers, tuple(offsets))
         out.validate()
         return out
 
-    def offset(self, layer: int, stream: Stream) -> int:
-        """Byte offset of layer ``layer``'s buffer in the cache's ``stream``."""
-        for s, off in self.offsets[layer]:
-            if s is stream:
-                return off
-        raise LayoutError(f"layer {layer} has no buffer on stream {stream.value}")
+    @property
+    def num_planes(self) -> int:
+        return max(layer.num_planes for layer in self.layers)
 
-    def span(self, layer: int, stream: Stream) -> tuple[int, int]:
-        """``(start, end)`` of layer ``layer``'s buffer in the cache's ``stream``:
-        ``decode_layer(cache.layers[i], anchor_stream[slice(*cache.span(i, Stream.ANCHOR))])``."""
-        start = self.offset(layer, stream)
-        return start, start + self.layers[layer].stream_size(stream)
+    def offset(self, layer: int, plane: int) -> int:
+        """Byte offset of layer ``layer``'s buffer in the cache's ``plane``."""
+        offs = self.offsets[layer]
+        if not 0 <= plane < len(offs):
+            raise LayoutError(f"layer {layer} has no buffer on plane {plane}")
+        return offs[plane]
 
-    def stream_size(self, stream: Stream) -> int:
-        """Total bytes of the cache on ``stream``."""
+    def span(self, layer: int, plane: int) -> tuple[int, int]:
+        """``(start, end)`` of layer ``layer``'s buffer in the cache's ``plane``:
+        ``decode_layer(cache.layers[i], plane0[slice(*cache.span(i, 0))])``."""
+        start = self.offset(layer, plane)
+        return start, start + self.layers[layer].plane_size(plane)
+
+    def plane_size(self, plane: int) -> int:
+        """Total bytes of the cache on ``plane``."""
         return max(
-            (
-                off + layer.stream_size(s)
-                for layer, offs in zip(self.layers, self.offsets)
-                for s, off in offs
-                if s is stream
-            ),
+            (offs[plane] + layer.plane_size(plane) for layer, offs in zip(self.layers, self.offsets)
+             if plane < len(offs)),
             default=0,
         )
 
@@ -335,30 +361,26 @@ class CacheLayout:
             raise LayoutError(f"a cache needs 1..{MAX_LAYERS} layers, got {len(self.layers)}")
         if len(self.offsets) != len(self.layers):
             raise LayoutError(f"{len(self.offsets)} offset entries for {len(self.layers)} layers")
-        spans: dict[Stream, list[tuple[int, int, int]]] = {s: [] for s in Stream}
+        spans: list[list[tuple[int, int, int]]] = [[] for _ in range(MAX_PLANES)]
         for i, (layer, offs) in enumerate(zip(self.layers, self.offsets)):
             layer.validate()
-            streams = tuple(s for s, _ in offs)
-            if streams != layer.streams:
-                raise LayoutError(
-                    f"layer {i} has buffers on {[s.value for s in layer.streams]} "
-                    f"but offsets for {[s.value for s in streams]}"
-                )
-            for stream, off in offs:
-                _int(off, f"layer {i} {stream.value} offset", 0, MAX_STREAM_BYTES)
+            if len(offs) != layer.num_planes:
+                raise LayoutError(f"layer {i} has buffers on {layer.num_planes} planes but {len(offs)} offsets")
+            for plane, off in enumerate(offs):
+                _int(off, f"layer {i} plane {plane} offset", 0, MAX_STREAM_BYTES)
                 if off % ALIGN:
-                    raise LayoutError(f"layer {i} {stream.value} offset {off} is not a multiple of {ALIGN}")
-                spans[stream].append((off, off + layer.stream_size(stream), i))
-        for stream, items in spans.items():
+                    raise LayoutError(f"layer {i} plane {plane} offset {off} is not a multiple of {ALIGN}")
+                spans[plane].append((off, off + layer.plane_size(plane), i))
+        for plane, items in enumerate(spans):
             items.sort()
             for (a0, a1, ia), (b0, _b1, ib) in itertools.pairwise(items):
                 if b0 < a1:
                     raise LayoutError(
-                        f"layers {ia} and {ib} overlap on stream {stream.value} ([{a0}, {a1}) and offset {b0})"
+                        f"layers {ia} and {ib} overlap on plane {plane} ([{a0}, {a1}) and offset {b0})"
                     )
             if items and items[-1][1] > MAX_STREAM_BYTES:
                 raise LayoutError(
-                    f"stream {stream.value} would be {items[-1][1]} bytes, more than the {MAX_STREAM_BYTES} allowed"
+                    f"plane {plane} would be {items[-1][1]} bytes, more than the {MAX_STREAM_BYTES} allowed"
                 )
 
     def to_bytes(self) -> bytes:
@@ -366,7 +388,7 @@ class CacheLayout:
             "format": FORMAT_NAME,
             "version": self.version,
             "layers": [
-                {**layer.to_json(), "offsets": {s.value: off for s, off in offs}}
+                {**layer.to_json(), "offsets": list(offs)}
                 for layer, offs in zip(self.layers, self.offsets)
             ],
         }
@@ -403,12 +425,10 @@ class CacheLayout:
                 layer = LayerLayout.from_json(item)
             except LayoutError as exc:
                 raise LayoutError(f"layer {i}: {exc}") from None
-            if not isinstance(offs, dict):
-                raise LayoutError(f"layer {i} offsets must be an object")
-            placed = [(_enum(Stream, k, "stream"), v) for k, v in offs.items()]
-            placed.sort(key=lambda p: list(Stream).index(p[0]))
+            if not isinstance(offs, list) or len(offs) > MAX_PLANES:
+                raise LayoutError(f"layer {i} offsets must be a list of at most {MAX_PLANES} ints")
             layers.append(layer)
-            offsets.append(tuple(placed))
+            offsets.append(tuple(offs))
         out = cls(tuple(layers), tuple(offsets), version)
         out.validate()
         return out

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from lynx_decode.codec_backends import ReferenceOps
+from lynx_decode.codec.backends import ReferenceOps
 from lynx_transport.errors import BackendError
 
 __all__ = ["CupyOps", "cupy_ops"]
@@ -19,7 +19,8 @@ _THREADS = 256
 
 
 class CupyOps(ReferenceOps):
-    """CUDA kernels for quantize/dequantize/split/merge/pack/unpack."""
+    """CUDA kernels for quantize/dequantize/split/merge/pack/unpack and the occ-mean
+    end codes of a prefix (one thread per quantization group)."""
 
     name = "cupy"
 
@@ -53,14 +54,26 @@ class CupyOps(ReferenceOps):
             "lynx_quantize", n, x, inv, zero, out, *self._dims(x.shape, group, kind), np.float32(levels), np.int64(n)
         )
 
+    def end_codes(self, values: Any, shift: int, group: int, kind: str) -> tuple[Any, Any]:
+        heads, tokens, dim = values.shape
+        shape = (heads, -(-tokens // group), dim) if kind == "k" else (heads, tokens, -(-dim // group))
+        lo = self.xp.empty(shape, self.xp.float32)
+        hi = self.xp.empty(shape, self.xp.float32)
+        self._launch("lynx_end_codes", lo.size, values, lo, hi, *self._dims(values.shape, group, kind),
+                     np.int32(shift), np.int64(lo.size))
+        return lo, hi
+
     def dequant(
-        self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any
+        self, values: Any, shift: int, offset: float, ends: tuple[Any, Any] | None, scale: Any, zero: Any,
+        group: int, kind: str, out: Any,
     ) -> None:
         n = values.size
-        self._launch(
-            "lynx_dequant", n, values, np.float32(1 << shift), np.float32(offset), scale, zero, out,
-            *self._dims(values.shape, group, kind), np.int64(n),
-        )  # fmt: skip
+        mult, off, dims = np.float32(1 << shift), np.float32(offset), self._dims(values.shape, group, kind)
+        if ends is None:
+            self._launch("lynx_dequant", n, values, mult, off, scale, zero, out, *dims, np.int64(n))
+        else:
+            self._launch("lynx_dequant_ends", n, values, mult, off, np.int32(255 >> shift), ends[0], ends[1],
+                         scale, zero, out, *dims, np.int64(n))
 
     def split(self, codes: Any, bits: int, anchor: Any, residual: Any) -> None:
         nblk = codes.size // 64

@@ -2,7 +2,7 @@
 
 ``ReferenceOps`` (NumPy; defines the format), ``NumbaOps`` (CPU kernels in
 ``lynx_kernels.cpu_*``) and ``CupyOps`` (CUDA kernels in ``lynx_kernels/codec.cu``,
-see :mod:`lynx_decode.codec_cupy`) implement the same :class:`Ops` methods on
+see :mod:`lynx_decode.codec.gpu`) implement the same :class:`Ops` methods on
 arrays of their kind. :func:`select` picks one by the arrays' module or by an
 explicit :class:`Backend`; asking for an unavailable backend raises
 :class:`BackendError`, and only ``Backend.AUTO`` falls back (Numba -> NumPy).
@@ -11,9 +11,11 @@ Code buffers handed between ops are flat uint8 arrays padded with zeros to whole
 64-value blocks (``padded(n)`` bytes), so packing kernels never see a tail.
 
 The codec calls two whole-tensor methods, :meth:`Ops.encode` and
-:meth:`Ops.decode`. Their default composes the per-stage kernels (what the
-reference and CuPy run); ``NumbaOps`` overrides them with fused single-pass
-kernels (``lynx_kernels.cpu_codec``) that run on the calling thread: a layer is
+:meth:`Ops.decode`, each with one region per plane of the layer's plane table.
+Their default composes the per-stage kernels (what the reference and CuPy run,
+and every backend for splits of three or more planes); ``NumbaOps`` overrides
+them for two-plane splits and the baselines with fused single-pass kernels
+(``lynx_kernels.cpu_codec``) that run on the calling thread: a layer is
 a few MB, and a ``parallel=True`` launch per stage cost a thread-pool barrier
 (~8 ms on a loaded 2-core box) each time, plus NumPy temporaries in between.
 """
@@ -22,14 +24,15 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from lynx_decode import codec_pack as pk
-from lynx_decode import codec_quant as qt
-from lynx_decode.codec_config import Backend, CodecConfig, Scheme, Split
-from lynx_decode.codec_layout import LayerLayout
+from lynx_decode.codec import pack as pk
+from lynx_decode.codec import quant as qt
+from lynx_decode.codec.config import Backend, CodecConfig, Scheme, Split
+from lynx_decode.codec.layout import LayerLayout
 from lynx_decode.errors import CodecError
 from lynx_transport.errors import BackendError
 
@@ -55,10 +58,19 @@ class Ops:
         """Write uint8 codes of ``x`` into ``out [H,T,D]`` (params fp32, group-shaped)."""
         raise NotImplementedError
 
+    def end_codes(self, values: Any, shift: int, group: int, kind: str) -> tuple[Any, Any]:
+        """occ-mean codes of the bottom and top bins of prefix values
+        ``values = q >> shift [H,T,D]``: fp32 ``(lo, hi)``, group-shaped like the
+        scales (:func:`lynx_decode.codec.quant.end_codes`)."""
+        raise NotImplementedError
+
     def dequant(
-        self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any
+        self, values: Any, shift: int, offset: float, ends: tuple[Any, Any] | None, scale: Any, zero: Any,
+        group: int, kind: str, out: Any,
     ) -> None:
-        """Write fp32 ``(values*2**shift + offset) * scale + zero`` into ``out [H,T,D]``."""
+        """Write fp32 ``code * scale + zero`` into ``out [H,T,D]``, ``code =
+        values*2**shift + offset``; with ``ends`` (from :meth:`end_codes`) the bottom
+        bin (``values == 0``) takes ``ends[0]`` and the top (``255 >> shift``) ``ends[1]``."""
         raise NotImplementedError
 
     def split(self, codes: Any, bits: int, anchor: Any, residual: Any) -> None:
@@ -85,13 +97,13 @@ class Ops:
         """fp32 ``out [H,T,D]`` (heads may be strided) from bfloat16 bit patterns."""
         out[...] = qt.bf16_bits_to_f32(bits, self.xp).reshape(out.shape)
 
-    def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, data: Any, residual: Any) -> None:
+    def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, outs: Sequence[Any]) -> None:
         """Quantize fp32 ``x [H,T,D]`` into its wire regions: fp16 ``scale``/``zero``
-        (group-shaped), ``data`` (INT8 codes, packed INT4 codes, or the packed LYNX
-        anchors) and ``residual`` (LYNX; None otherwise). A LYNX encode of one stream
-        passes None for the other (``data`` None: the residual alone). Raises
-        :class:`CodecError` for non-finite values. This default composes the
-        per-stage kernels."""
+        (group-shaped) and ``outs``, one region per plane of ``config.plane_table``
+        (plane 0: INT8 codes, packed INT4 codes, or LYNX's packed top plane); a
+        plane that is not wanted is None (then ``scale``/``zero`` may be scratch).
+        Raises :class:`CodecError` for non-finite values. This default composes
+        the per-stage kernels."""
         xp = self.xp
         group = config.k_group if kind == "k" else config.v_group
         levels = levels_of(config.scheme)
@@ -101,31 +113,33 @@ class Ops:
         zero[...] = z
         inv, z32 = qt.inverse(s, xp), z.astype(xp.float32)
         if config.scheme is Scheme.INT8:
-            self.quantize(x, inv, z32, group, kind, levels, data.reshape(x.shape))
+            self.quantize(x, inv, z32, group, kind, levels, outs[0].reshape(x.shape))
             return
         n = x.size
         codes = xp.zeros(padded(n), dtype=xp.uint8)
         self.quantize(x, inv, z32, group, kind, levels, codes[:n].reshape(x.shape))
-        rbits = 8 - config.bits
-        if config.scheme is Scheme.INT4:
-            self.pack(codes, 4, data)
-        elif residual is None:
-            self.pack(codes >> xp.uint8(rbits), config.bits, data)
-        elif data is None:
-            self.pack(codes & xp.uint8((1 << rbits) - 1), rbits, residual)
-        else:
-            self.split(codes, config.bits, data, residual)
+        table = config.plane_table
+        if len(table) == 2 and all(out is not None for out in outs):
+            self.split(codes, config.bits, outs[0], outs[1])
+            return
+        for plane, out in zip(table, outs):
+            if out is not None:
+                self.pack((codes >> xp.uint8(plane.shift)) & xp.uint8(plane.mask), plane.bits, out)
 
-    def decode(self, layout: LayerLayout, kind: str, data: Any, residual: Any, scale: Any, zero: Any, out: Any) -> None:
-        """Dequantize one tensor from its regions (``residual`` None: a LYNX layer
-        from its anchors alone) into fp32 ``out [H,T,D]``, which may be strided
-        between heads (each head's ``[T,D]`` block contiguous). This default
-        composes the per-stage kernels."""
+    def decode(self, layout: LayerLayout, kind: str, planes: Sequence[Any], scale: Any, zero: Any, out: Any) -> None:
+        """Dequantize one tensor from the regions of its first ``len(planes)`` planes
+        (all of them: exact; fewer: a LYNX layer from its top bits, the end bins of
+        an MSB grid by occupancy, :meth:`end_codes`) into fp32 ``out [H,T,D]``,
+        which may be strided between heads (each head's ``[T,D]`` block
+        contiguous). This default composes the per-stage kernels."""
         xp = self.xp
-        values, shift, offset = codes_of(self, layout, data, residual)
+        values, shift = codes_of(self, layout, planes)
         group = layout.k_group if kind == "k" else layout.v_group
+        offset = qt.prefix_offset(layout.split, layout.bits, 8 - shift)
+        ends = self.end_codes(values, shift, group, kind) if qt.occ_mean(layout.split, 8 - shift) else None
         target = out if out.flags.c_contiguous else xp.empty(layout.shape, dtype=xp.float32)
-        self.dequant(values, shift, offset, scale.astype(xp.float32), zero.astype(xp.float32), group, kind, target)
+        self.dequant(values, shift, offset, ends, scale.astype(xp.float32), zero.astype(xp.float32), group, kind,
+                     target)
         if target is not out:
             out[...] = target
 
@@ -135,24 +149,30 @@ def levels_of(scheme: Scheme) -> int:
     return 15 if scheme is Scheme.INT4 else 255
 
 
-def codes_of(ops: Ops, layout: LayerLayout, data: Any, residual: Any) -> tuple[Any, int, float]:
-    """(values [H,T,D] uint8, shift, offset) with code = values * 2**shift + offset,
-    from a tensor's data region (and residual region, for an exact LYNX layer)."""
+def codes_of(ops: Ops, layout: LayerLayout, planes: Sequence[Any]) -> tuple[Any, int]:
+    """(values [H,T,D] uint8, shift): the known top ``8 - shift`` bits of every code,
+    ``values = q >> shift``, from the regions of a tensor's first ``len(planes)``
+    planes (all of them, or a one-plane scheme: the codes, shift 0)."""
     xp = ops.xp
     n = layout.kv_heads * layout.tokens * layout.head_dim
     if layout.scheme is Scheme.INT8:
-        return data.reshape(layout.shape), 0, 0.0
+        return planes[0].reshape(layout.shape), 0
     values = xp.empty(padded(n), dtype=xp.uint8)
+    table = layout.plane_table
     if layout.scheme is Scheme.INT4:
-        ops.unpack(data, 4, values)
-        shift, offset = 0, 0.0
-    elif residual is None:
-        ops.unpack(data, layout.bits, values)
-        shift, offset = 8 - layout.bits, qt.anchor_offset(layout.split, layout.bits)
+        ops.unpack(planes[0], 4, values)
+        return values[:n].reshape(layout.shape), 0
+    if len(planes) == 2 == len(table):
+        ops.merge(planes[0], planes[1], layout.bits, values)
     else:
-        ops.merge(data, residual, layout.bits, values)
-        shift, offset = 0, 0.0
-    return values[:n].reshape(layout.shape), shift, offset
+        ops.unpack(planes[0], table[0].bits, values)
+        if len(planes) > 1:
+            low = xp.empty_like(values)
+            for plane, data in zip(table[1:], planes[1:]):
+                ops.unpack(data, plane.bits, low)
+                values <<= xp.uint8(plane.bits)
+                values |= low
+    return values[:n].reshape(layout.shape), table[len(planes) - 1].shift
 
 
 class ReferenceOps(Ops):
@@ -176,11 +196,16 @@ class ReferenceOps(Ops):
         e = functools.partial(self._expand, group=group, kind=kind, shape=x.shape)
         out[...] = qt.quantize(x, e(inv), e(zero), levels, self.xp)
 
+    def end_codes(self, values: Any, shift: int, group: int, kind: str) -> tuple[Any, Any]:
+        return qt.end_codes(values, shift, group, kind, self.xp)
+
     def dequant(
-        self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any
+        self, values: Any, shift: int, offset: float, ends: tuple[Any, Any] | None, scale: Any, zero: Any,
+        group: int, kind: str, out: Any,
     ) -> None:
         e = functools.partial(self._expand, group=group, kind=kind, shape=values.shape)
-        out[...] = qt.dequantize(values, shift, offset, e(scale), e(zero), self.xp)
+        wide = None if ends is None else (e(ends[0]), e(ends[1]))
+        out[...] = qt.dequantize(values, shift, offset, e(scale), e(zero), self.xp, wide)
 
     def split(self, codes: Any, bits: int, anchor: Any, residual: Any) -> None:
         a, r = pk.split(codes, bits, self.xp)
@@ -264,12 +289,24 @@ class NumbaOps(Ops):
     def quantize(self, x: Any, inv: Any, zero: Any, group: int, kind: str, levels: int, out: Any) -> None:
         (self._quant.quantize_k if kind == "k" else self._quant.quantize_v)(x, inv, zero, group, levels, out)
 
+    def end_codes(self, values: Any, shift: int, group: int, kind: str) -> tuple[Any, Any]:
+        heads, tokens, dim = values.shape
+        shape = (heads, -(-tokens // group), dim) if kind == "k" else (heads, tokens, -(-dim // group))
+        lo = np.empty(shape, np.float32)
+        hi = np.empty(shape, np.float32)
+        # a serial nogil pass (no thread-pool barrier): no launch lock needed
+        (self._quant.end_codes_k if kind == "k" else self._quant.end_codes_v)(values, shift, group, lo, hi)
+        return lo, hi
+
     @_locked
     def dequant(
-        self, values: Any, shift: int, offset: float, scale: Any, zero: Any, group: int, kind: str, out: Any
+        self, values: Any, shift: int, offset: float, ends: tuple[Any, Any] | None, scale: Any, zero: Any,
+        group: int, kind: str, out: Any,
     ) -> None:
-        fn = self._quant.dequant_k if kind == "k" else self._quant.dequant_v
-        fn(values, np.float32(1 << shift), np.float32(offset), scale, zero, group, out)
+        q = self._quant
+        mult, off = np.float32(1 << shift), np.float32(offset)
+        top, lo, hi = (np.int32(-1), scale, scale) if ends is None else (np.int32(255 >> shift), *ends)
+        (q.dequant_k if kind == "k" else q.dequant_v)(values, mult, off, top, lo, hi, scale, zero, group, out)
 
     def to_bf16(self, x: Any, out: Any) -> None:
         self._codec.to_bf16(x.reshape(-1).view(np.uint32), out.reshape(-1))
@@ -278,8 +315,12 @@ class NumbaOps(Ops):
         flat, head_stride = head_strided(out)
         self._codec.from_bf16(bits.reshape(-1), out.shape[1], out.shape[2], flat.view(np.uint32), head_stride)
 
-    def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, data: Any, residual: Any) -> None:
+    def encode(self, x: Any, kind: str, config: CodecConfig, scale: Any, zero: Any, outs: Sequence[Any]) -> None:
         # one fused pass on the calling thread (lynx_kernels.cpu_codec): no launch lock needed
+        if len(outs) > 2:  # three or more planes: the composed per-stage kernels
+            super().encode(x, kind, config, scale, zero, outs)
+            return
+        data, residual = outs[0], (outs[1] if len(outs) > 1 else None)
         c = self._codec
         _heads, tokens, dim = x.shape
         mode = {Scheme.INT8: c.ENC_INT8, Scheme.INT4: c.ENC_INT4}.get(config.scheme, c.ENC_LYNX)
@@ -304,14 +345,20 @@ class NumbaOps(Ops):
                 f"in {bad_p} quantization group(s)"
             )
 
-    def decode(self, layout: LayerLayout, kind: str, data: Any, residual: Any, scale: Any, zero: Any, out: Any) -> None:
+    def decode(self, layout: LayerLayout, kind: str, planes: Sequence[Any], scale: Any, zero: Any, out: Any) -> None:
+        if layout.num_planes > 2:  # three or more planes: the composed per-stage kernels
+            super().decode(layout, kind, planes, scale, zero, out)
+            return
         c = self._codec
+        data, residual = planes[0], (planes[1] if len(planes) > 1 else None)
         if layout.scheme is Scheme.INT8:
             mode, shift, offset = c.DEC_INT8, 0, 0.0
         elif layout.scheme is Scheme.INT4:
             mode, shift, offset = c.DEC_INT4, 0, 0.0
         elif residual is None:
-            mode, shift, offset = c.DEC_ANCHOR, 8 - layout.bits, qt.anchor_offset(layout.split, layout.bits)
+            offset = qt.prefix_offset(layout.split, layout.bits, layout.bits)
+            mode = c.DEC_ANCHOR_OCC if qt.occ_mean(layout.split, layout.bits) else c.DEC_ANCHOR
+            shift = 8 - layout.bits
         else:
             mode, shift, offset = c.DEC_FULL, 0, 0.0
         fn, group = (c.decode_k, layout.k_group) if kind == "k" else (c.decode_v, layout.v_group)
@@ -352,11 +399,11 @@ def select(backend: Backend, xp: Any) -> Ops:
     if on_device:
         if backend not in (Backend.AUTO, Backend.CUPY):
             raise BackendError(f"the {backend.value} backend runs on host arrays, but the inputs are CuPy arrays")
-        from lynx_decode.codec_cupy import cupy_ops  # noqa: PLC0415 - GPU code only when a GPU array arrives
+        from lynx_decode.codec.gpu import cupy_ops  # noqa: PLC0415 - GPU code only when a GPU array arrives
 
         return cupy_ops()
     if backend is Backend.CUPY:
-        from lynx_decode.codec_cupy import cupy_ops  # noqa: PLC0415
+        from lynx_decode.codec.gpu import cupy_ops  # noqa: PLC0415
 
         cupy_ops()  # raises BackendError when CuPy or a device is missing
         raise CodecError("the cupy backend needs CuPy arrays; move the inputs with cupy.asarray first")

@@ -1,0 +1,81 @@
+"""``--anchor-bits auto``: the plane split chosen for the link and the context.
+
+Pure logic (no clock, no I/O). The inputs are what the decode node knows before
+it asks: the bytes of the prompt's cache at INT8 (from the model's shape and the
+prompt length), the link rate (requested, or measured on earlier streams) and
+the time of one decode step at this context (measured on earlier runs).
+
+The rule, with ``T`` the INT8 cache's transfer time and ``S`` one decode step:
+
+- ``T < 2 S``: no split (INT8). The whole cache lands within two steps; the
+  first tentative token would come at most about a step sooner, and the
+  committed one a step later (the draft step plus a verify pass cannot beat one
+  step on the exact cache when the exact cache is already in).
+- ``2 S <= T < 8 S``: ``4,4``. Tentative tokens at INT4's time, committed ones at
+  INT8's (the verify pass rides on the residual's arrival), drafts as good as
+  INT4's.
+- ``T >= 8 S``: ``3,5``. One anchor bit fewer saves ``T / 8``, at least a step, on
+  the tentative clock; the 3-bit anchor's first token is right a little less
+  often (teacher-forced agreement with the fp32 cache 0.887 against the 4-bit
+  anchor's 0.967), and the committed clock is unchanged.
+
+Two bits (``2,6`` or ``2,2,4``) are never chosen: the 2-bit anchor agrees with the
+fp32 cache on 0.72 of tokens, too few for a first token worth showing.
+
+Measured on SmolLM2-135M, 2 threads (docs/design.md, ``lynx sweep``): at 10
+Gbit/s and 1024 tokens (``T`` ~ 10 ms, ``S`` ~ 70 ms) LYNX's committed clock was
+2.1x INT8's first token; at 1 Gbit/s and 4096 tokens (``T`` ~ 0.38 s ~ 4 ``S``) a
+``4,4`` split gives the first tentative token at 1.01x INT4's and the committed
+one at 1.02x INT8's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lynx_decode.errors import CodecError
+
+__all__ = ["SplitChoice", "choose_split", "NO_SPLIT_STEPS", "THREE_BIT_STEPS", "DEFAULT_STEP_S"]
+
+#: Below this many decode steps of INT8 transfer, no split.
+NO_SPLIT_STEPS = 2.0
+#: From this many decode steps of INT8 transfer, a 3-bit anchor.
+THREE_BIT_STEPS = 8.0
+#: The decode step assumed before any was measured (SmolLM2-135M, 4k tokens, 2 threads: ~0.1 s).
+DEFAULT_STEP_S = 0.1
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """The chosen split (None: no split, decode INT8) and why."""
+
+    planes: tuple[int, ...] | None
+    transfer_s: float
+    step_s: float
+
+    @property
+    def reason(self) -> str:
+        what = "int8 (no split)" if self.planes is None else "lynx " + ",".join(map(str, self.planes))
+        if self.transfer_s != self.transfer_s:  # NaN: nothing known about the link
+            return f"{what}: the default (no link rate requested or seen yet)"
+        return (f"{what}: the INT8 cache takes {self.transfer_s * 1e3:.0f} ms on the link, "
+                f"{self.transfer_s / self.step_s:.1f} decode steps of {self.step_s * 1e3:.0f} ms")
+
+
+def choose_split(int8_bytes: int, rate_gbps: float, step_s: float = DEFAULT_STEP_S) -> SplitChoice:
+    """The split for a cache of ``int8_bytes`` (its size at INT8) on a link of
+    ``rate_gbps`` (decimal Gbit/s) when one decode step takes ``step_s``."""
+    if not int8_bytes > 0:
+        raise CodecError(f"int8_bytes must be positive, got {int8_bytes!r}")
+    if not (rate_gbps > 0 and rate_gbps != float("inf")):
+        raise CodecError(f"the link rate must be a positive number of Gbit/s, got {rate_gbps!r}")
+    if not step_s > 0:
+        raise CodecError(f"step_s must be positive, got {step_s!r}")
+    transfer = int8_bytes * 8 / (rate_gbps * 1e9)
+    if transfer < NO_SPLIT_STEPS * step_s:
+        planes: tuple[int, ...] | None = None
+    elif transfer < THREE_BIT_STEPS * step_s:
+        planes = (4, 4)
+    else:
+        planes = (3, 5)
+    return SplitChoice(planes, transfer, step_s)
