@@ -95,10 +95,15 @@ def test_the_residual_never_waits_and_verification_rides_on_it(model, server, no
     ids = model.tokenize(filler_prose(model.tokenize, 2100, 107))
     m = node.run(server, ids, scheme=Scheme.LYNX, max_new_tokens=8, bandwidth_gbps=gbps,
                  hold_residual=False).metrics
-    # the link carried residual bytes before the first tentative token was out ...
-    assert m["first_residual_s"] < m["first_tentative_s"]
+    clocks = {k: m[k] for k in ("transfer_anchor_s", "first_residual_s", "first_tentative_s", "full_taken_s",
+                                "transfer_residual_s", "ttfct_s", "drafted")}
+    # the link carried residual bytes before the first tentative token was out: the first
+    # residual region (one layer's plane) landed at first_residual_s, so its bytes were on
+    # the link from its size at the link rate before that (the bucket is empty after the anchors)
+    region_s = m["bytes_residual"] / model.info.num_layers * 8 / (gbps * 1e9)
+    assert m["first_residual_s"] - region_s < m["first_tentative_s"], clocks
     # ... and the verify pass started before the residual lane completed (it waits per layer)
-    assert m["full_taken_s"] < m["transfer_residual_s"] <= m["ttfct_s"]
+    assert m["full_taken_s"] < m["transfer_residual_s"] <= m["ttfct_s"], clocks
 
 
 def test_prompt_beyond_context_is_refused_clearly(model, server, node) -> None:

@@ -303,3 +303,28 @@ def test_whole_cache_in_one_buffer_per_stream(kv) -> None:
         want = decode_layer(e.layout, e.buffers[0], e.buffers.get(1))
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize(("planes", "needle"), [
+    ("4,3", "sum to 7 bits"), ("4,5", "sum to 9 bits"), ("4,0,4", "at least 1 bit"),
+    ("1,1,1,1,1,1,1,1,1", "9 planes, but there are only 8 lanes"), ("8", "at least 2 planes"),
+    ("7,1", "anchor"), ("1,7", "anchor"), ("4,,4", "comma-separated"), ("four", "comma-separated"),
+])
+def test_a_bad_split_is_refused_with_the_reason(planes: str, needle: str) -> None:
+    from lynx_decode.codec import parse_planes
+
+    with pytest.raises(CodecError, match=needle):
+        parse_planes(planes)
+    with pytest.raises(CodecError):
+        CodecConfig(planes=tuple(int(w) for w in planes.split(",") if w.isdigit()) or (0,))
+
+
+def test_every_valid_split_parses_and_names_itself() -> None:
+    from lynx_decode.codec import parse_planes
+    from lynx_decode.codec.config import planes_name
+
+    assert parse_planes("2,2,4") == (2, 2, 4) == CodecConfig(planes=(2, 2, 4)).planes
+    assert CodecConfig(bits=3).planes == (3, 5) and CodecConfig(planes=(3, 5)).bits == 3
+    assert [planes_name(p) for p in ((4, 4), (3, 5), (2, 2, 4))] == ["4", "3", "2.2.4"]
+    with pytest.raises(CodecError, match="disagrees"):
+        CodecConfig(bits=4, planes=(3, 5))
