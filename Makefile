@@ -49,4 +49,4 @@ check-kernels:
 	bash kernels/check_nvcc.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info demo-out headline-out bench-results.json
+	rm -rf $(VENV) build dist *.egg-info demo-out headline-out bench-results.json

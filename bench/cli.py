@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from lynx_transport.errors import LynxError
 
-__all__ = ["main", "SUBCOMMANDS", "configure_logging"]
+__all__ = ["main", "SUBCOMMANDS", "SHOWN_AT_INFO", "configure_logging"]
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -65,15 +65,23 @@ def _load(module: str):
     return importlib.import_module(module)
 
 
+#: Loggers shown at INFO by every subcommand unless ``--log-level`` is given: the
+#: one-time work a first run waits for (the default model's conversion, ~30 s).
+SHOWN_AT_INFO = ("lynx_decode.model.store",)
+
+
 def configure_logging(args: argparse.Namespace) -> None:
     """The CLI's logging: ``--log-level`` for everything, else WARNING, and the
-    subcommand's own ``DEFAULT_LOG_LEVEL`` (``serve``: INFO) for Lynx's loggers only."""
+    subcommand's own ``DEFAULT_LOG_LEVEL`` (``serve``: INFO) for Lynx's loggers only;
+    :data:`SHOWN_AT_INFO` at INFO unless ``--log-level`` says otherwise."""
     logging.basicConfig(level=(args.log_level or "warning").upper(),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     default = getattr(_load(args._module), "DEFAULT_LOG_LEVEL", None)
     for name in ("lynx_decode", "lynx_transport", "lynx_bench"):
         logging.getLogger(name).setLevel(
             default.upper() if args.log_level is None and default is not None else logging.NOTSET)
+    for name in SHOWN_AT_INFO:
+        logging.getLogger(name).setLevel(logging.INFO if args.log_level is None else logging.NOTSET)
 
 
 #: MKL's conditional numerical reproducibility, strict: a matrix product gives the same

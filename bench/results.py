@@ -30,7 +30,8 @@ from typing import Any
 from lynx_bench.sweep_config import is_lynx
 
 __all__ = ["COLUMNS", "Row", "write_results", "read_results", "summary_table", "medians", "means",
-           "first_token_correct", "ttft_ratios", "ratio_table", "order_schemes", "CLOCKS_LEGEND"]
+           "first_token_correct", "ttft_ratios", "ratio_table", "order_schemes", "CLOCKS_LEGEND",
+           "crossover_lines"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,3 +238,32 @@ def ratio_table(rows: Sequence[Row]) -> str:
         lines.append(f"{r['bandwidth_gbps']:>7g} {r['context']:>7d} {r['scheme']:<{w}}"
                      + "".join(f" {_fmt(r[key], f'{cw}.2f'):>{cw}}" for (key, _, _), cw in zip(cols, widths)))
     return "\n".join(lines)
+
+
+def crossover_lines(rows: Sequence[Row]) -> list[str]:
+    """One plain sentence per (context, LYNX split) on what the sweep shows: how much
+    sooner than INT8 the first tentative token comes at the slowest and the fastest
+    link, and how the first committed token compares (the crossover where splitting
+    stops paying is where the first ratio nears 1)."""
+    ratios = ttft_ratios(rows)
+    out = []
+    for ctx, scheme in sorted({(r["context"], r["scheme"]) for r in ratios}, key=lambda k: (k[0], k[1])):
+        points = sorted((r for r in ratios if r["context"] == ctx and r["scheme"] == scheme
+                         and r["ttft_over_int8"]), key=lambda r: r["bandwidth_gbps"])
+        if not points:
+            continue
+        lo, hi = points[0], points[-1]
+
+        def sooner(r: dict[str, Any]) -> str:
+            return f"{1 / r['ttft_over_int8']:.2f}x sooner at {r['bandwidth_gbps']:g} Gbit/s"
+
+        committed = [r["ttfct_over_int8"] for r in points if r["ttfct_over_int8"] is not None]
+        line = f"{ctx} tokens, {scheme}: the first (tentative) token comes {sooner(lo)}"
+        if hi is not lo:
+            line += f", {sooner(hi)}"
+        line += " than INT8's first token"
+        if committed:
+            line += (f"; the first committed token at {min(committed):.2f}-{max(committed):.2f}x "
+                     "INT8's first token")
+        out.append(line + ".")
+    return out

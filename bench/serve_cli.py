@@ -1,17 +1,25 @@
 """``lynx serve``: the prefill node. Prints ``listening on HOST:PORT`` once it
-accepts requests, then serves until interrupted (SIGINT/SIGTERM)."""
+accepts requests, then serves until interrupted (SIGINT/SIGTERM).
+
+Listening beyond loopback without a shared secret logs one warning at startup
+(:func:`exposure_warning`): the node then serves anyone who can reach its port.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
+import logging
 import math
 import signal
+import socket
 import sys
 import threading
 from typing import TYPE_CHECKING
 
 from lynx_bench.node_args import (
+    SECRET_ENV,
     add_model_arguments,
     add_secret_argument,
     add_timeout_arguments,
@@ -21,7 +29,7 @@ from lynx_bench.node_args import (
     timeouts,
     transport_config,
 )
-from lynx_transport.config import TransportConfig
+from lynx_transport.config import MIN_SECRET_BYTES, TransportConfig
 from lynx_transport.errors import ConfigError
 from lynx_transport.scheduler import LanePolicy
 from lynx_transport.seam import UCX, Transport
@@ -33,12 +41,15 @@ if TYPE_CHECKING:
     from lynx_decode.model.protocol import CausalLM
     from lynx_decode.prefill_node import PrefillNode
 
-__all__ = ["add_arguments", "prefill_node", "run"]
+__all__ = ["add_arguments", "prefill_node", "run", "exposure_warning", "is_loopback"]
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
-                        help="address to accept requests on (default 127.0.0.1, an ephemeral port)")
+                        help="address to accept requests on (default 127.0.0.1, an ephemeral port; "
+                             "beyond loopback, give the nodes a shared secret: --secret-file)")
     parser.add_argument("--no-prefill-cache", action="store_true",
                         help="prefill every request (default: reuse cached prefills from disk)")
     parser.add_argument("--rate", type=float, default=None, metavar="GBPS",
@@ -81,18 +92,56 @@ def _rate(args: argparse.Namespace) -> Rate | None:
     return Rate(args.rate, BURST_BYTES)
 
 
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (an IP address or a name) only reaches this machine: a
+    loopback address, or a name all of whose addresses are loopback ones
+    (``localhost``). The unspecified ``0.0.0.0``/``::`` (every interface), any
+    other address and a name that does not resolve are not."""
+    try:
+        addresses = [ipaddress.ip_address(host)]
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None)
+            addresses = [ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in infos]
+        except (OSError, ValueError):
+            return False
+    return bool(addresses) and all(_loopback_ip(a) for a in addresses)
+
+
+def _loopback_ip(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def exposure_warning(listen: str, secret: bytes | None) -> str | None:
+    """The warning ``lynx serve --listen LISTEN`` logs at startup, or None: one when
+    it listens beyond loopback with no shared secret (anyone who can reach the port
+    can then send it requests and receive the KV caches it computes or keeps)."""
+    host, port = host_port(listen, flag="--listen")
+    if secret is not None or is_loopback(host):
+        return None
+    return (f"--listen {host}:{port} is reachable beyond this machine and no shared secret is "
+            "set: anyone who can reach that port can send this node requests and receive the KV "
+            "caches it computes or has cached. "
+            f"Give every node the same secret of at least {MIN_SECRET_BYTES} bytes: --secret-file PATH (e.g. "
+            "`head -c 32 /dev/urandom | base64 > lynx.secret`, then `--secret-file lynx.secret` "
+            f"on `lynx serve` and `lynx generate`) or ${SECRET_ENV}")
+
+
 #: ``lynx serve`` logs one line per request at INFO unless ``--log-level`` says otherwise.
 DEFAULT_LOG_LEVEL = "info"
 
 
 def run(args: argparse.Namespace) -> int:
     host_port(args.listen, flag="--listen")
-    transport_config(args)  # bad flags fail before the model loads
+    config = transport_config(args)  # bad flags fail before the model loads
     timeouts(args)
     _rate(args)
     for flag, value, low in (("--max-pending", args.max_pending, 1), ("--memory-cache", args.memory_cache, 0)):
         if value < low:
             raise ConfigError(f"{flag}: must be >= {low}, got {value}")
+    if (warning := exposure_warning(args.listen, config.secret)) is not None:
+        log.warning("%s", warning)
     model = load_model(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

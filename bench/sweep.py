@@ -42,7 +42,15 @@ from typing import Any
 from lynx_bench.node_args import add_timeout_arguments, timeout_argv, timeouts
 from lynx_bench.processes import Child, ChildError
 from lynx_bench.progress import progress_bar
-from lynx_bench.results import CLOCKS_LEGEND, Row, first_token_correct, ratio_table, summary_table, write_results
+from lynx_bench.results import (
+    CLOCKS_LEGEND,
+    Row,
+    crossover_lines,
+    first_token_correct,
+    ratio_table,
+    summary_table,
+    write_results,
+)
 from lynx_bench.sweep_config import (
     QUICK,
     SCHEMES,
@@ -86,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help=f"pass-key seed (default {d.seed})")
     parser.add_argument("--out", type=Path, help=f"output folder (default {d.out})")
     parser.add_argument("--quick", action="store_true",
-                        help="a short preset (1 and 10 Gbit/s, 1024 tokens, 1 prompt, 16 tokens, 1 repeat)")
+                        help="the demo preset (0.5, 1, 2, 5, 10 Gbit/s, 4096 tokens, 1 prompt, 16 tokens, 1 repeat)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
     add_timeout_arguments(parser, residual=True)
@@ -277,6 +285,18 @@ def _rows(results: list[tuple[_Job, dict[str, Any]]]) -> list[Row]:
     return rows
 
 
+def _convert_model_here() -> None:
+    """The default model's one-time conversion, in this process (where its progress
+    lines show) rather than in a node process whose output goes to a log file."""
+    from lynx_decode.errors import ModelError  # noqa: PLC0415
+    from lynx_decode.model.store import converted_model_dir, default_gguf_path  # noqa: PLC0415
+
+    try:
+        converted_model_dir(default_gguf_path())
+    except ModelError:
+        pass  # not installed: the decode worker reports it with the install hint
+
+
 def _default_context_window() -> int | None:
     """The default model's context window, read from its GGUF header (milliseconds);
     None when the model is not installed (the decode worker then reports it)."""
@@ -297,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--link netns needs root (network namespaces and tc); "
                           "use --link shaper (the default) to shape in the transport instead")
     command = shlex.join(["lynx", *sys.argv[1:]]) if sys.argv[0].endswith("lynx") else shlex.join(sys.argv)
+    _convert_model_here()
     rows, recorded = run_sweep(config, progress=not args.no_progress, command=command)
     json_path, csv_path = write_results(config.out, recorded, rows)
     from lynx_bench.plots import plot_accuracy, plot_ttft_vs_bandwidth  # noqa: PLC0415
@@ -311,6 +332,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         print("median ratios per LYNX split against the INT8 and INT4 baselines, same run:")
         print(ratio_table(rows))
+        print()
+        for line in crossover_lines(rows):
+            print(line)
         print()
     for path in (json_path, csv_path, ttft_png, acc_png):
         print(f"wrote {path}")

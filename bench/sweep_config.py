@@ -177,7 +177,10 @@ class SweepConfig:
         return d
 
 
-QUICK = SweepConfig(bandwidths_gbps=(1.0, 10.0), contexts=(1024,), prompts=1, new_tokens=16,
+#: ``--quick`` (``make demo``): the regime LYNX is for, a 4096-token prompt whose cache the
+#: link must carry, from the bandwidth-bound end to where splitting stops paying; one
+#: prompt, 16 tokens, one run per point (about two minutes after the install)
+QUICK = SweepConfig(bandwidths_gbps=(0.5, 1.0, 2.0, 5.0, 10.0), contexts=(4096,), prompts=1, new_tokens=16,
                     repeats=1)
 
 

@@ -334,13 +334,15 @@ class DecodeNode:
         first_token: list[float] = []
 
         def events(event: Event) -> None:
-            if isinstance(event, Tentative) and not first_token:
+            first = isinstance(event, Tentative) and not first_token
+            if first:
                 first_token.append(time.time())
                 if hold:  # the first token is out: let the residual come ...
                     _release_residual(stream, assembler.num_planes, self.timeout_s)
-                assembler.open_full_gate()  # ... and rebuild the exact cache as it lands
-            if on_event is not None:
+            if on_event is not None:  # the caller sees the token before the gate's work below
                 on_event(event)
+            if first:
+                assembler.open_full_gate()  # ... and rebuild the finer caches as they land
 
         if max_draft == 0:
             assembler.open_full_gate()
@@ -459,6 +461,13 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
         # the engine: when it took the full cache (after its draft step in progress)
         # and how long the one verification pass took
         "full_taken_s": m.full_ready_s, "verify_s": m.verify_s,
+        # when the engine's first (drafting) step started; None when it did not draft
+        "draft_start_s": m.draft_start_s,
+        # the shared wall clock's t0 (the prefill node's), and when each region of each
+        # plane landed (seconds from t0, per plane; regions of one plane are equal in size)
+        "t0_unix": t0,
+        "arrivals_s": [[t - t0 for t in times] for times in assembler._arrivals],
+        "region_bytes": list(assembler._plane_bytes),
     }
     # "anchor" is lane 0, "residual" every later plane's lane together (done when the last is)
     anchor_lane = int(Lane.ANCHOR)

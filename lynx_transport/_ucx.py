@@ -2,9 +2,10 @@
 
 Everything UCX goes through here: ucxx is imported lazily (importing it writes
 ``UCX_*`` environment variables, so it must never happen at ``lynx_transport``
-import), the context is configured through ``config_dict`` (never the
-environment), and ucxx exceptions are translated into :mod:`lynx_transport.errors`
-in :func:`check`.
+import) and only through :func:`_import_ucxx` (see there for the one variable
+Lynx itself sets, ``UCX_MEMTYPE_CACHE``), the context is configured through
+``config_dict`` (never the environment), and ucxx exceptions are translated into
+:mod:`lynx_transport.errors` in :func:`check`.
 
 We use ucxx's low-level API (``ucxx._lib.libucxx``): one worker per I/O thread,
 progressed by that thread (polling while requests are pending, blocking on the
@@ -16,7 +17,9 @@ control channel instead.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from typing import Any
 
 from lynx_transport.errors import ConnectError, PeerDisconnectedError, ProtocolError, TransportError
@@ -42,13 +45,41 @@ def _park(obj: Any) -> None:
     PARKED += 1
 
 
+#: The variable ucxx sets too late (see :func:`_import_ucxx`) and the value it wants.
+MEMTYPE_CACHE = ("UCX_MEMTYPE_CACHE", "n")
+
+
+@functools.cache
+def _import_ucxx() -> None:
+    """Import ucxx, once per process, with ``UCX_MEMTYPE_CACHE`` already in place.
+
+    The one place Lynx writes the environment, at the first UCX start (never at
+    import). ucxx's ``__init__`` sets ``UCX_MEMTYPE_CACHE=n`` (which it needs for
+    CUDA memory) *after* it has loaded libucs, but that variable is a UCS global
+    option, parsed when libucs loads: the write is lost for this process, and
+    UCX's unused-variable check then prints ``UCX  WARN  unused environment
+    variable: UCX_MEMTYPE_CACHE`` at the first UCX context. Child processes
+    inherit the variable and do apply it. Setting it here, before libucs loads,
+    gives every process the value ucxx asks for and no warning. A value of the
+    user's own is kept. Nothing is silenced (``UCX_WARN_UNUSED_ENV_VARS`` is left
+    alone), so a mistyped ``UCX_*`` variable is still reported. Had the
+    embedding program imported ucxx before, libucs is loaded already and this
+    cannot help (ucxx's warning then shows once).
+    """
+    name, value = MEMTYPE_CACHE
+    os.environ.setdefault(name, value)
+    import ucxx  # noqa: F401, PLC0415 - lazy: writes UCX_* env vars
+
+
 def _lib() -> Any:
-    import ucxx._lib.libucxx as libucxx  # noqa: PLC0415 - lazy: writes UCX_* env vars
+    _import_ucxx()
+    import ucxx._lib.libucxx as libucxx  # noqa: PLC0415 - lazy, see _import_ucxx
 
     return libucxx
 
 
 def _array(view: Any) -> Any:
+    _import_ucxx()
     from ucxx._lib.arr import Array  # noqa: PLC0415
 
     return Array(view)
@@ -220,6 +251,7 @@ def as_bytes_view(buffer: Any) -> Any:
 
 def ensure_cuda_context(device: int) -> None:
     """Make ``device``'s primary CUDA context current in the calling thread (UCX needs it)."""
+    _import_ucxx()
     from ucxx._cuda_context import ensure_cuda_context as ensure  # noqa: PLC0415
 
     ensure(device)

@@ -133,7 +133,9 @@ FAULTS = {"killed": _kill, "closed": _close, "silent": _sigstop}
 def test_a_dead_receiver_fails_only_its_own_streams_and_its_state_is_freed(
         receivers, egress, fault: str) -> None:
     rx_a, rx_b, addr_a, addr_b = receivers
-    egress.set_link_rate(RATE)
+    # a quarter of RATE: A's residual is on the link for ~0.7 s, long enough for the check
+    # below to see it mid-transfer even when the test's thread is starved by other processes
+    egress.set_link_rate(Rate(GBPS / 4, 4 * CHUNK))
     a = egress.connect(addr_a, timeout=10)
     b = egress.connect(addr_b, timeout=10)
     n_anchor, n_residual = 2 * MiB, 24 * MiB

@@ -203,3 +203,14 @@ def test_physical_limit_is_anchor_bytes_at_the_link_rate_plus_a_layer_and_the_he
     assert physical_limit(m, 1.0, 0.010, 30) == pytest.approx(1.0 + 0.090 / 30 + 0.010)
     assert physical_limit(m, None, 0.010, 30) is None
     assert physical_limit({**m, "ttfct_s": None}, 1.0, 0.010, 30) is None
+
+
+def test_crossover_lines_say_what_the_sweep_shows() -> None:
+    from lynx_bench.results import crossover_lines
+
+    lines = crossover_lines(_rows(SPLITS))
+    assert len(lines) == 3
+    assert lines[0].startswith("1024 tokens, lynx-2.2.4: the first (tentative) token comes ")
+    assert " at 1 Gbit/s, " in lines[0] and " at 10 Gbit/s than INT8's first token" in lines[0]
+    assert "the first committed token at " in lines[0]
+    assert crossover_lines([r for r in _rows(SPLITS) if r.scheme.startswith("lynx")]) == []
