@@ -255,13 +255,15 @@ def crossover_lines(rows: Sequence[Row]) -> list[str]:
         lo, hi = points[0], points[-1]
 
         def sooner(r: dict[str, Any]) -> str:
-            return f"{1 / r['ttft_over_int8']:.2f}x sooner at {r['bandwidth_gbps']:g} Gbit/s"
+            ratio = r["ttft_over_int8"]
+            when = f"{1 / ratio:.2f}x sooner" if ratio <= 1 else f"{ratio:.2f}x later"
+            return f"{when} at {r['bandwidth_gbps']:g} Gbit/s"
 
         committed = [r["ttfct_over_int8"] for r in points if r["ttfct_over_int8"] is not None]
         line = f"{ctx} tokens, {scheme}: the first (tentative) token comes {sooner(lo)}"
         if hi is not lo:
             line += f", {sooner(hi)}"
-        line += " than INT8's first token"
+        line += " than INT8's first token does"
         if committed:
             line += (f"; the first committed token at {min(committed):.2f}-{max(committed):.2f}x "
                      "INT8's first token")

@@ -53,6 +53,7 @@ is complete before the first step, this is plain greedy decoding.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import enum
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -284,7 +285,8 @@ class _Run:
         while True:
             nxt = max(cur + 1, self._best_done())
             while toks[-1] not in self.eos and self._should_draft(nxt, step_s, len(toks)):
-                logits, step_s = self._timed_forward(cache, [toks[-1]])
+                with _sharing_cpu(self.model):  # the next level is still landing: leave a core to it
+                    logits, step_s = self._timed_forward(cache, [toks[-1]])
                 toks.append(int(np.argmax(logits[-1])))
                 yield Tentative(toks[-1], len(toks) - 1)
                 nxt = max(nxt, self._best_done())
@@ -368,6 +370,13 @@ def _finish_unverified(model: CausalLM, dcache: LMCache, ids: list[int], drafts:
         accepted=0, new_tokens=len(out), speculative=True, draft_start_s=draft_start,
         full_ready_s=None, verify_s=None, stopped_at_eos=out[-1] in eos, verified=False,
         unverified_reason=reason), tuple(out))
+
+
+def _sharing_cpu(model: CausalLM) -> contextlib.AbstractContextManager[None]:
+    """``model.sharing_cpu()`` when the model has it (``HFCausalLM``: one torch thread
+    fewer, a core left to the transport); nothing otherwise."""
+    share = getattr(model, "sharing_cpu", None)
+    return share() if share is not None else contextlib.nullcontext()
 
 
 def _truncate(tokens: list[int], eos: frozenset[int], n_max: int) -> list[int]:

@@ -34,9 +34,10 @@ torch and transformers are imported lazily, inside functions.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +184,15 @@ class HFCausalLM:
         if wait is None and not kv.complete:
             raise DecodeError(f"KV layers {kv.missing_layers()} have not been written")
         return SlabCache(kv, length=shape.tokens, wait=wait)
+
+    @contextlib.contextmanager
+    def sharing_cpu(self) -> Iterator[None]:
+        """Model steps inside run on the streaming thread count (one torch thread fewer
+        by default, as a step over a cache still arriving does), leaving a core to the
+        transport: the engine drafts in here while a finer cache is still landing."""
+        with _ThreadGovernor(self.streaming_threads) as governor:
+            governor.update(False)
+            yield
 
     def lm_head_s(self, repeats: int = 25) -> float:
         """Median seconds of the LM head (the output projection) on one hidden state:

@@ -211,6 +211,6 @@ def test_crossover_lines_say_what_the_sweep_shows() -> None:
     lines = crossover_lines(_rows(SPLITS))
     assert len(lines) == 3
     assert lines[0].startswith("1024 tokens, lynx-2.2.4: the first (tentative) token comes ")
-    assert " at 1 Gbit/s, " in lines[0] and " at 10 Gbit/s than INT8's first token" in lines[0]
+    assert " at 1 Gbit/s, " in lines[0] and " at 10 Gbit/s than INT8's first token does" in lines[0]
     assert "the first committed token at " in lines[0]
     assert crossover_lines([r for r in _rows(SPLITS) if r.scheme.startswith("lynx")]) == []

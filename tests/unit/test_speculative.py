@@ -412,3 +412,26 @@ def test_early_first_step_fails_cleanly_when_the_cache_never_lands() -> None:
         list(decode_events(model, ids, full=cf.Future(),
                            config=DecodeConfig(max_new_tokens=4, wait_timeout_s=0.05),
                            t0=0.0, early=filling2))
+
+
+def test_drafting_while_the_next_cache_lands_leaves_a_core_to_the_transport() -> None:
+    class SharingLM(ToyLM):
+        shared = 0
+
+        def sharing_cpu(self):
+            import contextlib
+
+            @contextlib.contextmanager
+            def share():
+                SharingLM.shared += 1
+                yield
+
+            return share()
+
+    model = SharingLM(eos=False)
+    ids = list(range(1, 30))
+    kv = model.prefill(ids).kv
+    events = drive(model, ids, kv, offset(kv, 0.0), full_after=5,
+                   config=DecodeConfig(max_new_tokens=12, max_draft=8))
+    assert events[-1].metrics.drafted == 5
+    assert SharingLM.shared == 4  # every draft step after the first ran inside sharing_cpu()
