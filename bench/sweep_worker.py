@@ -105,12 +105,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def physical_limit(m: dict[str, Any], gbps: float | None, head_s: float, layers: int) -> float | None:
     """The first token's physical limit for this run: its anchor-lane bytes at the link
-    rate, plus one layer and the LM head. A layer is this run's decode step (its greedy
-    steps on the exact cache: ``(e2e - ttfct) / steps``) less the head, over the layers."""
-    steps = m["new_tokens"] - 1 - (m.get("accepted") or 0)
-    if gbps is None or m.get("ttfct_s") is None or steps < 1:
+    rate, plus one layer and the LM head. A layer is this run's decode step on the exact
+    cache (the decode node's ``step_s``) less the head, over the layers."""
+    step = m.get("step_s")
+    if gbps is None or step is None:
         return None
-    step = (m["e2e_s"] - m["ttfct_s"]) / steps
     return float(m["bytes_anchor"] * 8 / (gbps * 1e9) + max(0.0, step - head_s) / layers + head_s)
 
 

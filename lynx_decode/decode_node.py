@@ -305,7 +305,7 @@ class DecodeNode:
         layer = LayerLayout.build(CodecConfig(Scheme.INT8), shape.kv_heads, shape.tokens, shape.head_dim)
         rate = bandwidth_gbps if bandwidth_gbps is not None else self._seen_gbps.get(server)
         if rate is None:  # nothing known about this link yet: the default split
-            return SplitChoice((DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS), float("nan"), float("nan"))
+            return SplitChoice((DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS))
         return choose_split(shape.num_layers * layer.plane_size(0), rate, self._seen_step_s or DEFAULT_STEP_S)
 
     def _learn(self, server: tuple[str, int], m: dict[str, Any]) -> None:
@@ -313,9 +313,8 @@ class DecodeNode:
         ends = [t for t in (m.get("transfer_anchor_s"), m.get("transfer_residual_s")) if t]
         if ends and m.get("bytes_total"):
             self._seen_gbps[server] = m["bytes_total"] * 8 / max(ends) / 1e9
-        steps = m["new_tokens"] - 1 - (m.get("accepted") or 0)
-        if m.get("ttfct_s") is not None and steps > 0:
-            step = (m["e2e_s"] - m["ttfct_s"]) / steps
+        step = m.get("step_s")
+        if step is not None:
             self._seen_step_s = step if self._seen_step_s is None else 0.5 * (self._seen_step_s + step)
 
     def _run(self, server: tuple[str, int], request: KVRequest, payload: bytes, waiting: _Pending, *,
@@ -485,4 +484,8 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
     for name in ("ttft", "ttfct", "e2e"):
         value = out[f"{name}_s"]
         out[f"{name}_from_request_s"] = None if value is None else value + queue_s
+    # one decode step on the exact cache: the greedy steps after the first commit
+    # (which held the accepted drafts plus one token)
+    steps = m.new_tokens - 1 - m.accepted
+    out["step_s"] = None if m.ttfct_s is None or steps < 1 else (m.e2e_s - m.ttfct_s) / steps
     return out

@@ -379,13 +379,6 @@ class KVAssembler:
         for kv in self._kv:
             kv.abort(error)
 
-    def filling(self, drafting: bool) -> KVBuffers:
-        """The buffers the first decode step runs on while they fill (see
-        ``speculative.decode_events(early=...)``): the anchor-only cache's when
-        ``drafting``, else the full cache's."""
-        assert self.speculative or not drafting, "drafting needs a LYNX stream"
-        return self._kv[0] if drafting else self._kv[-1]
-
     def prompt_ids(self, timeout: float) -> tuple[int, ...]:
         """The prompt's token ids (all of them), once the ``tokens`` region landed."""
         try:

@@ -273,7 +273,7 @@ class _Run:
     def events(self) -> Iterator[Event]:
         cur = self._start_level()
         if cur == self.last:
-            yield from self._greedy(None, None, None, None, self._open(cur, self.config.wait_timeout_s))
+            yield from self._greedy(self._open(cur, self.config.wait_timeout_s))
             return
         draft_start = self.since()
         cache = self._open(cur, self.config.wait_timeout_s)
@@ -310,24 +310,20 @@ class _Run:
             if accepted < len(toks):
                 yield Rollback(accepted, len(toks) - accepted)
             if nxt == self.last:
-                yield from self._greedy(ncache, kept, (toks, accepted, ttft, draft_start, taken, pass_s), None,
-                                        None)
+                yield from self._greedy(ncache, kept, (toks, accepted, ttft, draft_start, taken, pass_s))
                 return
             for position in range(accepted, len(kept)):
                 yield Tentative(kept[position], position)
             toks, cache, cur = kept, ncache, nxt
 
-    def _greedy(self, fcache: LMCache | None, commit: list[int] | None,
-                spec: tuple[list[int], int, float, float, float, float] | None,
-                first_logits: np.ndarray | None, plain: LMCache | None) -> Iterator[Event]:
-        """Commit ``commit`` (the verified tokens; None: greedy from the start on
-        ``plain``) and decode greedily on the exact cache to the end."""
+    def _greedy(self, fcache: LMCache, commit: list[int] | None = None,
+                spec: tuple[list[int], int, float, float, float, float] | None = None) -> Iterator[Event]:
+        """Commit ``commit`` (the verified tokens; None: greedy from the start, the
+        first token too) and decode greedily on the exact cache ``fcache`` to the end;
+        ``spec`` (what was drafted, accepted and when) makes the metrics speculative."""
+        full_ready = self.since()
         if commit is None:
-            assert plain is not None
-            fcache = plain
-            full_ready = self.since()
             commit = [int(np.argmax(_forward(self.model, fcache, [self.ids[-1]])[-1]))]
-        assert fcache is not None
         ttfct = self.since()
         out = list(commit)
         yield Committed(tuple(commit), 0)

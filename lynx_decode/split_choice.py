@@ -47,16 +47,17 @@ DEFAULT_STEP_S = 0.1
 
 @dataclass(frozen=True)
 class SplitChoice:
-    """The chosen split (None: no split, decode INT8) and why."""
+    """The chosen split (None: no split, decode INT8) and why; ``transfer_s`` and
+    ``step_s`` are None for the default chosen with nothing known about the link."""
 
     planes: tuple[int, ...] | None
-    transfer_s: float
-    step_s: float
+    transfer_s: float | None = None
+    step_s: float | None = None
 
     @property
     def reason(self) -> str:
         what = "int8 (no split)" if self.planes is None else "lynx " + ",".join(map(str, self.planes))
-        if self.transfer_s != self.transfer_s:  # NaN: nothing known about the link
+        if self.transfer_s is None or self.step_s is None:
             return f"{what}: the default (no link rate requested or seen yet)"
         return (f"{what}: the INT8 cache takes {self.transfer_s * 1e3:.0f} ms on the link, "
                 f"{self.transfer_s / self.step_s:.1f} decode steps of {self.step_s * 1e3:.0f} ms")

@@ -75,6 +75,8 @@ def test_lynx_commits_exactly_what_int8_decodes(nodes: Any) -> None:
     lynx = decode.run(prefill.address, PROMPT, scheme=Scheme.LYNX, max_new_tokens=12,
                       on_event=events.append)
     assert lynx.tokens == int8.tokens and len(lynx.tokens) == 12
+    m = int8.metrics  # one decode step: the 11 greedy steps after the first token
+    assert m["step_s"] == pytest.approx((m["e2e_s"] - m["ttfct_s"]) / 11)
     assert lynx.metrics["verified"] is True
     assert any(isinstance(e, Tentative) for e in events)
     assert lynx.metrics["bytes_residual"] > 0 and int8.metrics["bytes_residual"] == 0

@@ -198,11 +198,11 @@ def test_means_are_fractions_for_zero_one_fields() -> None:
 def test_physical_limit_is_anchor_bytes_at_the_link_rate_plus_a_layer_and_the_head() -> None:
     from lynx_bench.sweep_worker import physical_limit
 
-    m = {"new_tokens": 9, "accepted": 0, "ttfct_s": 1.0, "e2e_s": 1.8, "bytes_anchor": 125_000_000}
-    # 8 greedy steps of 0.1 s; 30 layers; a head of 10 ms: 1 s of bytes + 3 ms + 10 ms
+    m = {"step_s": 0.1, "bytes_anchor": 125_000_000}
+    # decode steps of 0.1 s; 30 layers; a head of 10 ms: 1 s of bytes + 3 ms + 10 ms
     assert physical_limit(m, 1.0, 0.010, 30) == pytest.approx(1.0 + 0.090 / 30 + 0.010)
     assert physical_limit(m, None, 0.010, 30) is None
-    assert physical_limit({**m, "ttfct_s": None}, 1.0, 0.010, 30) is None
+    assert physical_limit({**m, "step_s": None}, 1.0, 0.010, 30) is None
 
 
 def test_crossover_lines_say_what_the_sweep_shows() -> None:
