@@ -97,11 +97,17 @@ def test_the_residual_never_waits_and_verification_rides_on_it(model, server, no
                  hold_residual=False).metrics
     clocks = {k: m[k] for k in ("transfer_anchor_s", "first_residual_s", "first_tentative_s", "full_taken_s",
                                 "transfer_residual_s", "ttfct_s", "drafted")}
-    # the link carried residual bytes before the first tentative token was out: the first
-    # residual region (one layer's plane) landed at first_residual_s, so its bytes were on
-    # the link from its size at the link rate before that (the bucket is empty after the anchors)
+    # The receiver sees a region only once it has landed whole (one layer's plane: 32 ms at
+    # 0.1 Gbit/s, 3 ms at 1 Gbit/s), so: at both rates the link does not idle between the lanes
+    # (the first residual region lands within two region times of the last anchor) ...
     region_s = m["bytes_residual"] / model.info.num_layers * 8 / (gbps * 1e9)
-    assert m["first_residual_s"] - region_s < m["first_tentative_s"], clocks
+    assert m["first_residual_s"] - m["transfer_anchor_s"] <= 2 * region_s, clocks
+    if gbps >= 1.0:
+        # ... and where a region is shorter than the first step's tail, the link carried residual
+        # bytes before the first tentative token was out: the first residual region landed at
+        # first_residual_s, so its bytes were on the link from its size at the link rate before
+        # that (at 0.1 Gbit/s the 8 ms tail is within one region's time: not resolvable here)
+        assert m["first_residual_s"] - region_s < m["first_tentative_s"], clocks
     # ... and the verify pass started before the residual lane completed (it waits per layer)
     assert m["full_taken_s"] < m["transfer_residual_s"] <= m["ttfct_s"], clocks
 
