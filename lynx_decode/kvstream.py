@@ -4,7 +4,10 @@ node assembles it, layer by layer, as regions land.
 Wire convention (on top of :mod:`lynx_transport`, which moves named byte regions):
 
 - the stream's metadata is a :class:`KVHeader` (zlib-compressed JSON, bounded):
-  model id, scheme, the prompt length, the clock start ``t0_unix`` and the
+  model id, the model's fingerprint (:mod:`lynx_decode.model.identity`: the
+  decode node refuses a cache computed by another model), scheme, the prompt
+  length, the clock start ``t0_unix``, every layer's geometry (heads, head
+  size, sliding window: :mod:`lynx_decode.model.geometry`) and the
   :class:`~lynx_decode.codec.layout.CacheLayout` of every layer;
 - region ``tokens`` (int32 prompt ids, all of them: the cache covers
   ``ids[:-1]`` and the decode node runs the last one itself) travels first on
@@ -12,6 +15,11 @@ Wire convention (on top of :mod:`lynx_transport`, which moves named byte regions
 - region ``L{i}.p{j}`` (layer ``i``'s buffer of plane ``j``: plane 0 holds the
   packed top bits + scales, or the whole INT8/INT4/BF16 layer) on lane ``j``:
   the codec's plane table maps plane ``j`` to lane ``j`` (``Lane.ANCHOR`` is 0).
+
+Per-layer geometry: the cache covers ``prompt_tokens - 1`` positions, and layer
+``i`` carries the last ``geometry[i].kept(covered)`` of them: all for full
+attention, ``window - 1`` for a sliding-window layer (all its window can still
+attend to), so its regions are sized for those tokens only.
 
 The sender announces the whole stream first (sizes are known from the layout),
 then encodes layer after layer and supplies each anchor as soon as it is
@@ -37,7 +45,7 @@ import json
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +55,8 @@ from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.codec.layout import CacheLayout, LayerLayout
 from lynx_decode.errors import DecodeError, LayoutError
 from lynx_decode.model.buffers import KVBuffers, KVShape
+from lynx_decode.model.geometry import LayerGeometry, geometry_from_json, geometry_json
+from lynx_decode.model.identity import ModelFingerprint
 from lynx_decode.model.protocol import ModelInfo, Prefill
 from lynx_decode.speculative import CacheLevel
 from lynx_transport import Lane, ReceivedRegion, ReceiveStream, SendStream
@@ -54,10 +64,10 @@ from lynx_transport.errors import LynxError, TransportError
 from lynx_transport.seam import Sender
 
 __all__ = ["KVHeader", "KV_FORMAT", "send_cache", "CacheSend", "KVAssembler", "region_name", "lane_of",
-           "warm_up_codec", "level_names"]
+           "warm_up_codec", "level_names", "cache_bytes", "request_id_of"]
 
 KV_FORMAT = "lynx-kv-stream"
-KV_VERSION = 2  # 2: one region per plane (L{i}.p{j})
+KV_VERSION = 3  # 2: one region per plane (L{i}.p{j}); 3: per-layer geometry and the model fingerprint
 #: Decompressed metadata larger than this is rejected (no zip bombs).
 MAX_HEADER_BYTES = 4 << 20
 TOKENS = "tokens"
@@ -90,7 +100,11 @@ def _parse_name(name: str, layers: int, planes: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class KVHeader:
-    """What the decode node learns about a KV stream before its data arrives."""
+    """What the decode node learns about a KV stream before its data arrives.
+
+    ``geometry``: each layer's heads, head size and window (layer ``i``'s layout
+    holds ``geometry[i].kept(prompt_tokens - 1)`` tokens); ``fingerprint``: the
+    model that computed the cache (None: unknown, matched by ``model_id``)."""
 
     request_id: str
     model_id: str
@@ -98,27 +112,32 @@ class KVHeader:
     prompt_tokens: int
     t0_unix: float
     layout: CacheLayout
+    geometry: tuple[LayerGeometry, ...] = ()
+    fingerprint: ModelFingerprint | None = None
+
+    def __post_init__(self) -> None:
+        if not self.geometry:
+            object.__setattr__(self, "geometry", tuple(
+                LayerGeometry(layer.kv_heads, layer.head_dim) for layer in self.layout.layers))
+
+    @property
+    def cached_tokens(self) -> int:
+        """Positions the cache covers (all prompt tokens but the last)."""
+        return self.prompt_tokens - 1
 
     def to_metadata(self) -> bytes:
         obj = {"format": KV_FORMAT, "version": KV_VERSION, "request_id": self.request_id,
                "model_id": self.model_id,
+               "fingerprint": None if self.fingerprint is None else self.fingerprint.to_json(),
                "scheme": self.scheme.value, "prompt_tokens": self.prompt_tokens,
-               "t0_unix": self.t0_unix, "layout": self.layout.to_bytes().decode()}
+               "t0_unix": self.t0_unix, "geometry": geometry_json(self.geometry),
+               "layout": self.layout.to_bytes().decode()}
         return zlib.compress(json.dumps(obj, separators=(",", ":")).encode(), 6)
 
     @classmethod
     def from_metadata(cls, data: bytes) -> KVHeader:
         """Parse and validate; :class:`LayoutError` on anything malformed."""
-        try:
-            inflater = zlib.decompressobj()
-            raw = inflater.decompress(bytes(data), MAX_HEADER_BYTES)
-            if inflater.unconsumed_tail:
-                raise LayoutError(f"KV header inflates past {MAX_HEADER_BYTES} bytes")
-            obj = json.loads(raw)
-        except (zlib.error, ValueError) as exc:
-            raise LayoutError(f"KV header is not compressed JSON: {exc}") from None
-        if not isinstance(obj, dict) or obj.get("format") != KV_FORMAT:
-            raise LayoutError("stream metadata is not a Lynx KV header")
+        obj = _header_json(data)
         if obj.get("version") != KV_VERSION:
             raise LayoutError(f"KV header version {obj.get('version')!r} is not supported "
                               f"(this build reads {KV_VERSION})")
@@ -127,6 +146,8 @@ class KVHeader:
             tokens, t0 = obj["prompt_tokens"], obj["t0_unix"]
             model_id, layout_text = obj["model_id"], obj["layout"]
             request_id = obj["request_id"]
+            geometry = geometry_from_json(obj["geometry"])
+            raw_fp = obj["fingerprint"]
         except (KeyError, ValueError) as exc:
             raise LayoutError(f"KV header field is missing or invalid: {exc}") from None
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 2:
@@ -134,32 +155,66 @@ class KVHeader:
         if not isinstance(t0, (int, float)) or not isinstance(model_id, str) \
                 or not isinstance(layout_text, str) or not isinstance(request_id, str):
             raise LayoutError("KV header fields have the wrong types")
+        fingerprint = None if raw_fp is None else ModelFingerprint.from_json(raw_fp)
         layout = CacheLayout.from_bytes(layout_text.encode())
-        header = cls(request_id, model_id, scheme, tokens, float(t0), layout)
-        for i, layer in enumerate(layout.layers):
+        header = cls(request_id, model_id, scheme, tokens, float(t0), layout, geometry, fingerprint)
+        if len(geometry) != len(layout.layers):
+            raise LayoutError(f"the KV header describes {len(geometry)} layers, its layout {len(layout.layers)}")
+        covered = tokens - 1
+        for i, (layer, g) in enumerate(zip(layout.layers, geometry)):
             if layer.scheme is not scheme:
                 raise LayoutError(f"layer {i} is {layer.scheme.value}, the header says {scheme.value}")
-            if layer.shape != layout.layers[0].shape:
-                raise LayoutError(f"layer {i} has shape {layer.shape}, layer 0 {layout.layers[0].shape}")
             if layer.num_planes != layout.layers[0].num_planes:
                 raise LayoutError(f"layer {i} has {layer.num_planes} planes, layer 0 {layout.layers[0].num_planes}")
-            if layer.shape[1] != tokens - 1:
-                raise LayoutError(f"layer {i} caches {layer.shape[1]} tokens; a prompt of {tokens} "
-                                  f"tokens needs {tokens - 1}")
+            if (layer.kv_heads, layer.head_dim) != (g.kv_heads, g.head_dim):
+                raise LayoutError(f"layer {i} has shape {layer.shape}, its geometry says {g.describe()}")
+            if layer.tokens != g.kept(covered):
+                raise LayoutError(f"layer {i} caches {layer.tokens} tokens; a prompt of {tokens} tokens "
+                                  f"needs {g.kept(covered)} ({g.describe()})")
         return header
 
     def check_model(self, info: ModelInfo) -> KVShape:
-        """The cache shape, or :class:`DecodeError` if the stream does not fit ``info``."""
-        heads, tokens, dim = self.layout.layers[0].shape
-        got = (len(self.layout.layers), heads, dim)
-        want = (info.num_layers, info.kv_heads, info.head_dim)
-        if got != want:
-            raise DecodeError(f"the stream's layout (layers, kv_heads, head_dim) = {got} does not "
-                              f"match the model {info.model_id}: {want}")
+        """The shape of the cache this stream builds, or :class:`DecodeError` if the
+        stream does not fit ``info``: computed by another model (fingerprint, or
+        ``model_id`` when either side has none), another layer geometry, or a
+        prompt past the model's positions. The message names both models."""
+        mine, theirs = info.fingerprint, self.fingerprint
+        if mine is not None and theirs is not None:
+            differ = theirs.differences(mine)
+            if differ:
+                raise DecodeError(
+                    f"the KV cache was computed by the model {theirs.short()}, but this decode node "
+                    f"runs {mine.short()}: they differ in their {' and '.join(differ)}: a cache is "
+                    f"valid only for the model that computed it{self._geometry_note(info)}")
+        elif self.model_id != info.model_id:
+            raise DecodeError(f"the KV cache was computed by the model {self.model_id!r}, but this "
+                              f"decode node runs {info.model_id!r}{self._geometry_note(info)}")
+        problem = self._geometry_problem(info)
+        if problem is not None:
+            raise DecodeError(f"the KV cache from the model {self.model_id!r} does not fit this decode "
+                              f"node's model: {problem}")
         if self.prompt_tokens > info.max_positions:
             raise DecodeError(f"the stream's prompt has {self.prompt_tokens} tokens, more than the "
                               f"model's {info.max_positions} positions")
-        return info.kv_shape(tokens)
+        return KVShape.of(self.geometry, self.cached_tokens)
+
+    def _geometry_problem(self, info: ModelInfo) -> str | None:
+        g0, m0 = self.geometry[0], info.layers[0]
+        summary = (f"the stream's layout (layers, kv_heads, head_dim) = "
+                   f"{(len(self.geometry), g0.kv_heads, g0.head_dim)} does not match the model "
+                   f"{info.model_id}: {(info.num_layers, m0.kv_heads, m0.head_dim)}")
+        if len(self.geometry) != info.num_layers:
+            return summary
+        for i, (got, want) in enumerate(zip(self.geometry, info.layers)):
+            # a sliding layer may come whole (window None): the model then masks the window
+            if (got.kv_heads, got.head_dim) != (want.kv_heads, want.head_dim) or \
+                    (got.window is not None and got.window != want.window):
+                return f"{summary}; layer {i} is {got.describe()} in the stream, {want.describe()} in the model"
+        return None
+
+    def _geometry_note(self, info: ModelInfo) -> str:
+        problem = self._geometry_problem(info)
+        return "" if problem is None else f" (and the shapes differ: {problem})"
 
     @property
     def num_planes(self) -> int:
@@ -172,6 +227,57 @@ class KVHeader:
             for i, layer in enumerate(self.layout.layers):
                 out.append((region_name(i, plane), layer.plane_size(plane), lane_of(plane)))
         return out
+
+    def naive_bytes(self) -> int:
+        """Bytes of the same stream with every layer whole (no window): what a
+        transfer of the full per-layer cache would have sent."""
+        config = self.layout.layers[0].config
+        full = [dataclasses.replace(g, window=None) for g in self.geometry]
+        return 4 * self.prompt_tokens + cache_bytes(full, self.cached_tokens, config)
+
+
+def cache_bytes(geometry: Sequence[LayerGeometry], covered: int, config: CodecConfig,
+                planes: Sequence[int] | None = None) -> int:
+    """Bytes of the encoded layers of a cache covering ``covered`` positions (each
+    layer its kept tokens), on ``planes`` (default: all)."""
+    total = 0
+    for g in geometry:
+        layer = LayerLayout.build(config, g.kv_heads, g.kept(covered), g.head_dim)
+        total += sum(layer.plane_size(p) for p in (planes if planes is not None else range(layer.num_planes)))
+    return total
+
+
+def _header_json(data: bytes) -> dict[str, Any]:
+    try:
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(bytes(data), MAX_HEADER_BYTES)
+        if inflater.unconsumed_tail:
+            raise LayoutError(f"KV header inflates past {MAX_HEADER_BYTES} bytes")
+        obj = json.loads(raw)
+    except (zlib.error, ValueError) as exc:
+        raise LayoutError(f"KV header is not compressed JSON: {exc}") from None
+    if not isinstance(obj, dict) or obj.get("format") != KV_FORMAT:
+        raise LayoutError("stream metadata is not a Lynx KV header")
+    return obj
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The request id of a KV header, even of one too malformed to accept (so its
+    request hears why), or None when there is none to read."""
+    try:
+        rid = _header_json(data).get("request_id")
+    except LayoutError:
+        return None
+    return rid if isinstance(rid, str) else None
+
+
+def _layer_kv(kv: KVBuffers, index: int, kept: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer ``index``'s K and V, only the last ``kept`` positions (contiguous)."""
+    k, v = kv.layer(index)
+    tokens = k.shape[1]
+    if kept == tokens:
+        return k, v
+    return np.ascontiguousarray(k[:, tokens - kept:]), np.ascontiguousarray(v[:, tokens - kept:])
 
 
 def warm_up_codec(planes: tuple[int, ...] | None = None) -> None:
@@ -194,8 +300,9 @@ class CacheSend:
     until the stream is done."""
 
     def __init__(self, stream: SendStream, prefill: Prefill, config: CodecConfig,
-                 keep: list[Any], deferred: bool) -> None:
+                 keep: list[Any], deferred: bool, kept: list[int]) -> None:
         self.stream = stream
+        self._kept = kept
         self._prefill = prefill
         self._config = config
         self._keep = keep
@@ -215,7 +322,8 @@ class CacheSend:
                     self.stream.wait_released(lane_of(plane), max(0.0, deadline - time.monotonic()))
                 kv = self._prefill.kv
                 for i in range(kv.shape.num_layers):
-                    encoded = encode_layer(kv.keys[i], kv.values[i], self._config, planes=later)
+                    k, v = _layer_kv(kv, i, self._kept[i])
+                    encoded = encode_layer(k, v, self._config, planes=later)
                     for plane in later:
                         buf = encoded.buffers[plane]
                         self._keep.append(buf)
@@ -230,7 +338,7 @@ class CacheSend:
                 self._keep.clear()
 
 
-def send_cache(conn: Sender, prefill: Prefill, model_id: str, config: CodecConfig, *,
+def send_cache(conn: Sender, prefill: Prefill, model: ModelInfo | str, config: CodecConfig, *,
                request_id: str, t0_unix: float, timeout: float = 10.0,
                hold_residual: bool = False) -> CacheSend:
     """Announce, encode and supply a prefilled cache on ``conn`` (any transport's
@@ -246,21 +354,37 @@ def send_cache(conn: Sender, prefill: Prefill, model_id: str, config: CodecConfi
     every plane. Call :func:`warm_up_codec` once before connecting: a first JIT
     compile inside a send holds the GIL for seconds, long enough for the
     transport's peers to count its I/O threads silent.
+
+    ``model``: the model that computed the cache. Its :class:`ModelInfo` puts its
+    fingerprint on the wire and sends each sliding-window layer's last
+    ``window - 1`` positions only; a bare model id sends every layer whole and
+    no fingerprint (the decode node then matches the id).
     """
     kv = prefill.kv
     shape = kv.shape
-    layer = LayerLayout.build(config, shape.kv_heads, shape.tokens, shape.head_dim)
+    if isinstance(model, ModelInfo):
+        model_id, fingerprint, geometry = model.model_id, model.fingerprint, model.layers
+        if len(geometry) != shape.num_layers:
+            raise DecodeError(f"the prefill has {shape.num_layers} layers, the model {model_id} {len(geometry)}")
+    else:
+        model_id, fingerprint, geometry = model, None, shape.geometry
+    covered = shape.tokens
+    if covered != len(prefill.token_ids) - 1 or (shape.windowed and shape.layers):
+        raise DecodeError("send_cache needs a whole prefill: every layer covering all prompt tokens but the last")
+    layers = [LayerLayout.build(config, g.kv_heads, g.kept(covered), g.head_dim) for g in geometry]
     header = KVHeader(request_id, model_id, config.scheme, len(prefill.token_ids), t0_unix,
-                      CacheLayout.of([layer] * shape.num_layers))
-    deferred = hold_residual and layer.num_planes > 1
-    held = tuple(lane_of(p) for p in range(1, layer.num_planes)) if deferred else ()
+                      CacheLayout.of(layers), tuple(geometry), fingerprint)
+    num_planes = layers[0].num_planes
+    deferred = hold_residual and num_planes > 1
+    held = tuple(lane_of(p) for p in range(1, num_planes)) if deferred else ()
     stream = conn.open_stream(header.regions(), metadata=header.to_metadata(), timeout=timeout, hold=held)
     keep: list[Any] = [np.asarray(prefill.token_ids, dtype=np.int32)]
     later: list[tuple[str, Any]] = []
     try:
         stream.supply(TOKENS, keep[0], timeout)
         for i in range(shape.num_layers):
-            encoded = encode_layer(kv.keys[i], kv.values[i], config, planes=(0,) if deferred else None)
+            k, v = _layer_kv(kv, i, layers[i].tokens)
+            encoded = encode_layer(k, v, config, planes=(0,) if deferred else None)
             for plane, buf in encoded.buffers.items():
                 keep.append(buf)
                 if plane == 0:
@@ -273,7 +397,7 @@ def send_cache(conn: Sender, prefill: Prefill, model_id: str, config: CodecConfi
         if not stream.done():
             stream.cancel()
         raise
-    return CacheSend(stream, prefill, config, keep, deferred)
+    return CacheSend(stream, prefill, config, keep, deferred, [layer.tokens for layer in layers])
 
 
 class KVAssembler:
@@ -318,7 +442,9 @@ class KVAssembler:
         self._landed = np.zeros((self.num_planes, layers), dtype=bool)
         self._claimed = np.zeros((self.num_planes, layers), dtype=bool)  # level l of layer i taken for decoding
         self._arrivals: list[list[float]] = [[] for _ in range(self.num_planes)]
-        self._plane_bytes = [self.header.layout.layers[0].plane_size(p) for p in range(self.num_planes)]
+        #: bytes of each region, [plane][layer] (a sliding layer's are its window's)
+        self.layer_bytes = [[layer.plane_size(p) for layer in self.header.layout.layers]
+                            for p in range(self.num_planes)]
         self._first_arrival: float | None = None
         self._last_arrival: float | None = None
         self._bytes_after_first = 0
@@ -346,7 +472,7 @@ class KVAssembler:
         errs late). 0 when in; None before two regions landed."""
         with self._lock:
             first, last, landed = self._first_arrival, self._last_arrival, self._bytes_after_first
-            missing = sum(size * int((~self._landed[p]).sum()) for p, size in enumerate(self._plane_bytes[: level + 1]))
+            missing = sum(int(np.dot(~self._landed[p], self.layer_bytes[p])) for p in range(level + 1))
         if missing == 0:
             return 0.0
         if first is None or last is None or last <= first or landed <= 0:
@@ -406,7 +532,7 @@ class KVAssembler:
             if self._first_arrival is None:
                 self._first_arrival = now
             else:
-                self._bytes_after_first += self._plane_bytes[plane]
+                self._bytes_after_first += self.layer_bytes[plane][layer]
             self._last_arrival = now
             gate_open = self.full_gate.is_set()
             for level in range(self.num_planes):

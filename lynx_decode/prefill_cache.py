@@ -17,7 +17,9 @@ readers see either a complete old entry or a complete new one and concurrent
 writers of the same prompt cannot corrupt it (the last rename wins; both wrote
 the same content). A short, corrupt or mismatched file is treated as a miss and
 rewritten by the next :meth:`PrefillCache.get_or_prefill`. Entries are never
-evicted automatically; delete the directory to reclaim space.
+evicted automatically; delete the directory to reclaim space. A model whose
+layers differ in heads or head size is not cached (the format holds one shape);
+sliding-window layers are stored whole, as the prefill computes them.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ class PrefillCache:
         if cached is not None:
             return CachedPrefill(cached, hit=True)
         fresh = model.prefill(ids)
-        self.store(model_id, fresh)
+        if fresh.kv.shape.uniform:  # layers of different heads or head sizes are not kept on disk
+            self.store(model_id, fresh)
         if headroom:
             kv = KVBuffers(fresh.kv.shape, headroom=headroom)
             kv.keys[...] = fresh.kv.keys
@@ -143,7 +146,8 @@ def _read(f: io.BufferedReader, model_id: str, token_ids: Sequence[int], headroo
     if (header["model_id"] != model_id or header["ids_sha256"] != _ids_digest(ids)
             or header["num_ids"] != len(ids)):
         return None
-    shape = KVShape(*(int(x) for x in header["shape"]))
+    layers, heads, covered, dim = (int(x) for x in header["shape"])
+    shape = KVShape(layers, heads, covered, dim)
     if shape.tokens != len(ids) - 1:
         return None
     half = shape.num_layers * shape.kv_heads * shape.tokens * shape.head_dim * 4

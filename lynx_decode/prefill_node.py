@@ -251,7 +251,7 @@ class PrefillNode:
                                else Rate(request.bandwidth_gbps, BURST_BYTES))
             codec = (CodecConfig(scheme=request.scheme, planes=request.planes) if request.scheme is Scheme.LYNX
                      else CodecConfig(scheme=request.scheme))
-            sending = send_cache(conn, prefill, self.model.info.model_id, codec,
+            sending = send_cache(conn, prefill, self.model.info, codec,
                                  request_id=request.request_id, t0_unix=t0,
                                  hold_residual=request.hold_residual)
             sending.wait(self.stream_timeout_s)

@@ -12,6 +12,15 @@ float32 slab ``[1, kv_heads, capacity, head_dim]`` that shares memory with a
 past the received positions (never into them) and only reallocate when the
 headroom is used up, unlike ``DynamicCache`` which copies the whole cache on
 every step. Rollback (:meth:`SlabCache.crop`) just shortens the views.
+Each layer is the cache type transformers itself gives it (``DynamicLayer`` for
+full attention, ``DynamicSlidingWindowLayer`` for a sliding window, by
+:func:`model_geometry`); a sliding layer may hold only its window's last
+positions (a received cache), its slab then starting at that absolute position
+(the attention mask's offset), and a crop keeps the window.
+
+Model identity: :meth:`HFCausalLM.load` fingerprints the weights, the K/V config
+and the tokenizer once per model directory (:mod:`lynx_decode.model.identity`,
+cached on disk); ``info.fingerprint`` goes on the wire.
 
 Attention: :mod:`lynx_decode.model.attention` (torch SDPA with grouped K/V
 heads, never repeated; bit-equal to transformers' ``sdpa``, ~2x faster on the
@@ -46,9 +55,14 @@ import numpy as np
 from lynx_decode.errors import DecodeError, ModelError, PromptError
 from lynx_decode.model import attention
 from lynx_decode.model.buffers import KVBuffers
+from lynx_decode.model.geometry import LayerGeometry
+from lynx_decode.model.identity import ModelFingerprint, cached_fingerprint, fingerprint_model
 from lynx_decode.model.protocol import ModelInfo, Prefill
 from lynx_decode.model.store import (
-    INSTALL_HINT,
+    cache_root as default_cache_root,
+)
+from lynx_decode.model.store import (
+    check_model_path,
     converted_model_dir,
     default_gguf_path,
     directory_model_id,
@@ -58,7 +72,7 @@ from lynx_decode.model.store import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HFCausalLM", "SlabCache"]
+__all__ = ["HFCausalLM", "SlabCache", "model_geometry"]
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward pass (bounds attention memory)
 GROWTH = 256          # minimum extra positions when a slab has to grow
@@ -68,7 +82,8 @@ class HFCausalLM:
     """A transformers causal LM in fp32 on CPU, implementing ``CausalLM``."""
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, *,
-                 streaming_threads: int | None = None) -> None:
+                 streaming_threads: int | None = None,
+                 fingerprint: ModelFingerprint | None = None) -> None:
         if streaming_threads is not None and streaming_threads < 1:
             raise DecodeError(f"streaming_threads must be >= 1, got {streaming_threads}")
         self.streaming_threads = streaming_threads
@@ -82,15 +97,19 @@ class HFCausalLM:
                 eos.update(int(x) for x in source)
         self._model = model
         self._tokenizer = tokenizer
+        layers = model_geometry(cfg)
+        if fingerprint is None:
+            fingerprint = fingerprint_model(model_id, model, tokenizer, layers)
         self._info = ModelInfo(
             model_id=model_id,
-            num_layers=int(cfg.num_hidden_layers),
-            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
-            head_dim=int(getattr(cfg, "head_dim", None)
-                         or cfg.hidden_size // cfg.num_attention_heads),
+            num_layers=len(layers),
+            kv_heads=layers[0].kv_heads,
+            head_dim=layers[0].head_dim,
             max_positions=int(cfg.max_position_embeddings),
             vocab_size=int(cfg.vocab_size),
             eos_token_ids=frozenset(eos),
+            layers=layers,
+            fingerprint=fingerprint,
         )
 
     @classmethod
@@ -102,16 +121,16 @@ class HFCausalLM:
         ``torch.set_num_threads`` (process-wide) when given; None leaves torch's
         setting alone. ``streaming_threads``: torch threads for a forward pass over
         a cache still arriving (see the module docstring; None: one fewer than
-        torch's setting). Raises ModelError with an install hint when files are missing."""
+        torch's setting). Raises ModelError naming what is wrong with ``path``
+        (:func:`~lynx_decode.model.store.check_model_path`, checked before torch
+        loads), or with an install hint when the default model is missing. The
+        model's fingerprint is computed once per directory and cached
+        (:mod:`lynx_decode.model.identity`)."""
         if path is None:
             directory = converted_model_dir(default_gguf_path(), cache_root)
-        elif Path(path).suffix == ".gguf":
-            directory = converted_model_dir(Path(path), cache_root)
         else:
-            directory = Path(path)
-            if not (directory / "config.json").is_file():
-                raise ModelError(f"{directory} is not a transformers model directory "
-                                 f"(no config.json); {INSTALL_HINT}")
+            kind = check_model_path(Path(path))
+            directory = converted_model_dir(Path(path), cache_root) if kind == "gguf" else Path(path)
         try:
             import torch  # noqa: PLC0415
             from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
@@ -128,11 +147,16 @@ class HFCausalLM:
                 model = AutoModelForCausalLM.from_pretrained(
                     directory, dtype=torch.float32, local_files_only=True,
                     attn_implementation=attention.register())
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot load the model from {directory}: {exc}") from exc
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelError(f"cannot load the model from {directory}: {type(exc).__name__}: {exc}") from exc
         model.eval()
-        return cls(model, tokenizer, directory_model_id(directory),
-                   streaming_threads=streaming_threads)
+        model_id = directory_model_id(directory)
+        layers = model_geometry(model.config.get_text_config(decoder=True))
+        key = f"{directory.resolve()}|{model_id}"
+        fingerprint = cached_fingerprint(key, (cache_root or default_cache_root()) / "fingerprints",
+                                         model_id, model, tokenizer, layers)
+        return cls(model, tokenizer, model_id, streaming_threads=streaming_threads,
+                   fingerprint=fingerprint)
 
     @property
     def info(self) -> ModelInfo:
@@ -159,7 +183,7 @@ class HFCausalLM:
             raise PromptError(f"the prompt has {len(ids)} tokens; the model's context "
                               f"window is {self._info.max_positions}")
         start = time.perf_counter()
-        kv = KVBuffers(self._info.kv_shape(len(ids) - 1))
+        kv = KVBuffers(self._info.kv_shape(len(ids) - 1, windowed=False))
         cache = SlabCache(kv, length=0)
         for begin in range(0, len(ids) - 1, PREFILL_CHUNK):
             self._run(cache, ids[begin:min(begin + PREFILL_CHUNK, len(ids) - 1)], keep=1)
@@ -171,19 +195,25 @@ class HFCausalLM:
 
     def cache_from(self, kv: KVBuffers, *,
                    wait: Callable[[int], None] | None = None) -> SlabCache:
+        """A model cache over ``kv``: each layer whole, or for a sliding-window layer
+        either whole or only its window's last positions (a received cache)."""
         shape, info = kv.shape, self._info
-        if (shape.num_layers, shape.kv_heads, shape.head_dim) != (
-                info.num_layers, info.kv_heads, info.head_dim):
-            raise DecodeError(
-                f"KV layout {shape.num_layers} layers x {shape.kv_heads} heads x "
-                f"{shape.head_dim} dims does not match the model ({info.num_layers} x "
-                f"{info.kv_heads} x {info.head_dim})")
+        if shape.num_layers != info.num_layers:
+            raise DecodeError(f"KV layout has {shape.num_layers} layers; the model {info.model_id} "
+                              f"has {info.num_layers}")
+        for i, g in enumerate(info.layers):
+            heads, kept, dim = shape.shape_of(i)
+            if (heads, dim) != (g.kv_heads, g.head_dim) or kept not in (shape.tokens, g.kept(shape.tokens)):
+                raise DecodeError(
+                    f"KV layer {i} holds {heads} heads x {kept} positions x {dim} dims, which does "
+                    f"not match the model {info.model_id} ({g.describe()}, {shape.tokens} positions "
+                    "covered)")
         if shape.tokens > info.max_positions:
             raise PromptError(f"the cache holds {shape.tokens} positions; the model's "
                               f"context window is {info.max_positions}")
         if wait is None and not kv.complete:
             raise DecodeError(f"KV layers {kv.missing_layers()} have not been written")
-        return SlabCache(kv, length=shape.tokens, wait=wait)
+        return SlabCache(kv, length=shape.tokens, wait=wait, windows=[g.window for g in info.layers])
 
     @contextlib.contextmanager
     def sharing_cpu(self) -> Iterator[None]:
@@ -254,6 +284,36 @@ class HFCausalLM:
         return ids
 
 
+#: transformers layer types whose cache is plain K/V per position, and how Lynx keeps them.
+_FULL_TYPES = ("full_attention", "chunked_attention")  # chunked: kept whole (its chunks differ from a window)
+_SLIDING_TYPES = ("sliding_attention",)
+
+
+def model_geometry(config: Any) -> tuple[LayerGeometry, ...]:
+    """Each layer's cache geometry from a transformers text config, by transformers'
+    own reading of it (``cache_utils.get_layer_types_and_kwargs``: ``layer_types``,
+    or ``sliding_window`` for every layer). :class:`ModelError` for layers whose
+    cache is not per-position K/V (linear attention, shared KV)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: PLC0415
+
+    types, kwargs = get_layer_types_and_kwargs(config)
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    out = []
+    for i, (kind, extra) in enumerate(zip(types, kwargs, strict=True)):
+        if kind in _SLIDING_TYPES and extra.get("sliding_window"):
+            out.append(LayerGeometry(heads, dim, int(extra["sliding_window"])))
+        elif kind in _FULL_TYPES or kind in _SLIDING_TYPES:
+            out.append(LayerGeometry(heads, dim))
+        else:
+            raise ModelError(f"layer {i} of this {getattr(config, 'model_type', '?')} model is a "
+                             f"{kind!r} layer; Lynx moves per-position K/V caches only (full or "
+                             "sliding-window attention)")
+    if not out:
+        raise ModelError("the model has no layers")
+    return tuple(out)
+
+
 class _ThreadGovernor:
     """torch's (process-wide) intra-op threads during a forward pass over a cache
     still arriving: ``streaming`` threads (None: one fewer than torch's setting,
@@ -288,7 +348,8 @@ class SlabCache:
     """A transformers cache whose layers are views over preallocated slabs."""
 
     def __init__(self, kv: KVBuffers, *, length: int,
-                 wait: Callable[[int], None] | None = None) -> None:
+                 wait: Callable[[int], None] | None = None,
+                 windows: Sequence[int | None] | None = None) -> None:
         import torch  # noqa: PLC0415
         from transformers import DynamicCache  # noqa: PLC0415
 
@@ -296,12 +357,16 @@ class SlabCache:
         self.governor: _ThreadGovernor | None = None  # set by HFCausalLM.forward
         self._wait = wait
         self._kv = kv
+        shape = kv.shape
+        windows = list(windows) if windows is not None else [g.window for g in shape.geometry]
+        # a layer keeping fewer positions than the cache covers holds the last ones
         self.hf_cache.layers = [
-            _slab_layer_class()(torch.from_numpy(kv.storage_keys[i])[None],
-                                torch.from_numpy(kv.storage_values[i])[None], length,
-                                None if wait is None else functools.partial(self._wait_layer, i))
-            for i in range(kv.shape.num_layers)]
-        self._layers: list[Any] = self.hf_cache.layers  # _SlabLayer is built at run time: untyped
+            _slab_layer(torch.from_numpy(kv.storage_keys[i])[None],
+                        torch.from_numpy(kv.storage_values[i])[None], length,
+                        None if wait is None else functools.partial(self._wait_layer, i),
+                        offset=shape.tokens - shape.layer_tokens(i), window=windows[i])
+            for i in range(shape.num_layers)]
+        self._layers: list[Any] = self.hf_cache.layers  # the slab layers are built at run time: untyped
 
     @property
     def num_tokens(self) -> int:
@@ -325,46 +390,73 @@ class SlabCache:
         return any(layer.grew for layer in self._layers)
 
     def crop(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self.num_tokens:
+        """Roll back to ``num_tokens`` positions (a sliding layer keeps its window:
+        it can only lose positions appended after the received ones)."""
+        floor = max(layer.offset for layer in self._layers)
+        if not floor <= num_tokens <= self.num_tokens:
             raise DecodeError(f"cannot crop a cache of {self.num_tokens} positions "
-                              f"to {num_tokens}")
+                              f"to {num_tokens}" + (f" (its windows start at {floor})" if floor else ""))
         for layer in self._layers:
             layer.set_length(num_tokens)
 
 
+def _slab_layer(keys: Any, values: Any, length: int, wait: Callable[[], None] | None, *,
+                offset: int, window: int | None) -> Any:
+    """The layer cache transformers itself would use for this layer, over the slabs:
+    a ``DynamicLayer`` for full attention, a ``DynamicSlidingWindowLayer`` for a window."""
+    full, sliding = _slab_layer_classes()
+    if window is None:
+        return full(keys, values, length, wait, offset=offset)
+    return sliding(keys, values, length, wait, offset=offset, window=window)
+
+
 @functools.cache
-def _slab_layer_class() -> type:
+def _slab_layer_classes() -> tuple[type, type]:
     """Built on first use so that transformers is imported lazily."""
     import torch  # noqa: PLC0415
-    from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: PLC0415
 
-    class _SlabLayer(DynamicLayer):
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
-                     wait: Callable[[], None] | None = None) -> None:
-            super().__init__()
+    class _Slab:
+        """Slab index ``j`` holds absolute position ``offset + j``: ``offset`` is 0 for a
+        layer holding every position, ``covered - kept`` for a sliding-window layer
+        holding only its window's last positions (transformers' attention masks take
+        the offset from :meth:`get_mask_sizes` and apply the window themselves).
+        ``length`` is absolute. Appends never trim the window, so a rollback (a crop
+        to any length from ``offset`` up) keeps every position a kept token can see."""
+
+        keys: torch.Tensor | None
+        values: torch.Tensor | None
+
+        def _init_slab(self, keys: torch.Tensor, values: torch.Tensor, length: int,
+                       wait: Callable[[], None] | None, offset: int) -> None:
             self.lynx_wait = wait  # called once, when attention first needs this layer's cache
             self.k_slab, self.v_slab = keys, values
             self.device = keys.device
             self.is_initialized = True
             self.grew = False
+            self.offset = offset
             self.set_length(length)
 
         def set_length(self, length: int) -> None:
-            self.length = length
-            self.keys = self.k_slab[:, :, :length]
-            self.values = self.v_slab[:, :, :length]
+            self.length = self.cumulative_length = length
+            self.keys = self.k_slab[:, :, :length - self.offset]
+            self.values = self.v_slab[:, :, :length - self.offset]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length - self.offset + query_length, self.offset
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                    *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if self.lynx_wait is not None:
                 wait, self.lynx_wait = self.lynx_wait, None
                 wait()
-            end = self.length + key_states.shape[-2]
+            start = self.length - self.offset
+            end = start + key_states.shape[-2]
             if end > self.k_slab.shape[-2]:
                 self._grow(end + max(GROWTH, end // 8))
-            self.k_slab[:, :, self.length:end] = key_states
-            self.v_slab[:, :, self.length:end] = value_states
-            self.set_length(end)
+            self.k_slab[:, :, start:end] = key_states
+            self.v_slab[:, :, start:end] = value_states
+            self.set_length(self.offset + end)
             assert self.keys is not None and self.values is not None  # set by set_length
             return self.keys, self.values
 
@@ -373,8 +465,9 @@ def _slab_layer_class() -> type:
             keys = torch.empty((b, h, capacity, d), dtype=self.k_slab.dtype)
             values = torch.empty((b, h, capacity, d), dtype=self.v_slab.dtype)
             assert self.keys is not None and self.values is not None  # set by set_length
-            keys[:, :, :self.length] = self.keys
-            values[:, :, :self.length] = self.values
+            kept = self.length - self.offset
+            keys[:, :, :kept] = self.keys
+            values[:, :, :kept] = self.values
             self.k_slab, self.v_slab, self.grew = keys, values, True
 
         def get_seq_length(self) -> int:
@@ -382,6 +475,19 @@ def _slab_layer_class() -> type:
 
         def crop(self, tokens_to_remove: int) -> None:
             if tokens_to_remove < 0:
-                self.set_length(max(0, self.length + tokens_to_remove))
+                self.set_length(max(self.offset, self.length + tokens_to_remove))
 
-    return _SlabLayer
+    class _SlabLayer(_Slab, DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
+                     wait: Callable[[], None] | None = None, *, offset: int = 0) -> None:
+            DynamicLayer.__init__(self)
+            self._init_slab(keys, values, length, wait, offset)
+
+    class _SlidingSlabLayer(_Slab, DynamicSlidingWindowLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
+                     wait: Callable[[], None] | None = None, *, offset: int = 0,
+                     window: int) -> None:
+            DynamicSlidingWindowLayer.__init__(self, sliding_window=window)
+            self._init_slab(keys, values, length, wait, offset)
+
+    return _SlabLayer, _SlidingSlabLayer

