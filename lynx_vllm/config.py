@@ -1,0 +1,128 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config``, parsed once and validated.
+
+Keys (all optional except ``port`` on a producer):
+
+``host`` / ``port``
+    Where the producer's Lynx listener takes pull requests (the consumer learns it
+    from the request's ``kv_transfer_params``, so only the producer needs it; a
+    fixed port, because vLLM's scheduler process must name it before the worker
+    starts). On a consumer: where its receiver listens (default: any free port).
+``scheme`` / ``planes``
+    How the consumer asks for caches: ``bf16`` (lossless), ``int8``, ``int4`` or
+    ``lynx`` (default; anchor + residual, exactly INT8 once both landed) with its
+    plane split (default ``4,4``). A request's ``kv_transfer_params["lynx"]`` may
+    override both.
+``bandwidth_gbps``
+    The producer's egress rate, every consumer together (Lynx's shaper; default
+    unshaped).
+``timeout_s`` / ``peer_timeout_s`` / ``connect_timeout_s``
+    A load's end-to-end bound (header, every layer), the silence after which a
+    peer counts as dead, and a connect's bound (:class:`~lynx_decode.timeouts.Timeouts`).
+``max_prefills``
+    Prefills the producer holds for consumers to pull (oldest dropped first).
+``stats_path``
+    A JSON-lines file the consumer appends one record to per load (timestamps,
+    bytes, outcome): what an operator or a test reads to see the overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from lynx_decode.codec.config import CodecConfig, Scheme, check_planes, parse_planes
+from lynx_decode.errors import CodecError
+from lynx_decode.timeouts import Timeouts
+from lynx_vllm.errors import ConnectorError
+
+__all__ = ["ConnectorConfig", "codec_config"]
+
+_KEYS = frozenset({"host", "port", "scheme", "planes", "bandwidth_gbps", "timeout_s", "peer_timeout_s",
+                   "connect_timeout_s", "max_prefills", "stats_path"})
+
+
+def codec_config(scheme: Scheme, planes: tuple[int, ...]) -> CodecConfig:
+    """The codec configuration of ``scheme`` (``planes`` only matter for LYNX)."""
+    return CodecConfig(scheme=scheme, planes=planes) if scheme is Scheme.LYNX else CodecConfig(scheme=scheme)
+
+
+def _scheme(value: Any) -> Scheme:
+    try:
+        scheme = Scheme(str(value).lower())
+    except ValueError:
+        raise ConnectorError(f"scheme must be one of bf16, int8, int4, lynx; got {value!r}") from None
+    if scheme is Scheme.FP16:
+        raise ConnectorError("scheme fp16 is not offered by the vLLM connector: use bf16 (lossless for vLLM's caches)")
+    return scheme
+
+
+def _planes(value: Any) -> tuple[int, ...]:
+    try:
+        return parse_planes(value) if isinstance(value, str) else check_planes(value)
+    except CodecError as exc:
+        raise ConnectorError(f"planes: {exc}") from None
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConnectorError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    """What ``kv_connector_extra_config`` says (see the module docstring)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    scheme: Scheme = Scheme.LYNX
+    planes: tuple[int, ...] = (4, 4)
+    bandwidth_gbps: float | None = None
+    timeout_s: float = 30.0
+    peer_timeout_s: float = 1.5
+    connect_timeout_s: float = 5.0
+    max_prefills: int = 16
+    stats_path: str | None = None
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None, *, producer: bool) -> ConnectorConfig:
+        """Parse vLLM's ``kv_connector_extra_config``; :class:`ConnectorError` names any bad key."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise ConnectorError(f"unknown LynxConnector settings {unknown}; known: {sorted(_KEYS)}")
+        port = extra.get("port", 0)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ConnectorError(f"port must be an int in 0..65535, got {port!r}")
+        if producer and port == 0:
+            raise ConnectorError("a producer needs a fixed port in kv_connector_extra_config "
+                                 "(consumers learn it from each request's kv_transfer_params)")
+        max_prefills = extra.get("max_prefills", 16)
+        if isinstance(max_prefills, bool) or not isinstance(max_prefills, int) or max_prefills < 1:
+            raise ConnectorError(f"max_prefills must be an int >= 1, got {max_prefills!r}")
+        rate = extra.get("bandwidth_gbps")
+        return cls(
+            host=str(extra.get("host", "127.0.0.1")),
+            port=port,
+            scheme=_scheme(extra.get("scheme", "lynx")),
+            planes=_planes(extra.get("planes", (4, 4))),
+            bandwidth_gbps=None if rate is None else _positive("bandwidth_gbps", rate),
+            timeout_s=_positive("timeout_s", extra.get("timeout_s", 30.0)),
+            peer_timeout_s=_positive("peer_timeout_s", extra.get("peer_timeout_s", 1.5)),
+            connect_timeout_s=_positive("connect_timeout_s", extra.get("connect_timeout_s", 5.0)),
+            max_prefills=max_prefills,
+            stats_path=None if extra.get("stats_path") is None else str(extra["stats_path"]),
+        )
+
+    def timeouts(self) -> Timeouts:
+        return Timeouts(connect_s=self.connect_timeout_s, peer_s=self.peer_timeout_s, stream_s=self.timeout_s)
+
+    def request_codec(self, params: Mapping[str, Any] | None) -> tuple[Scheme, tuple[int, ...]]:
+        """The scheme and planes a load asks for: the request's ``kv_transfer_params["lynx"]``
+        ``scheme``/``planes`` where given, else this config's."""
+        lynx = (params or {}).get("lynx") or {}
+        scheme = _scheme(lynx["scheme"]) if "scheme" in lynx else self.scheme
+        planes = _planes(lynx["planes"]) if "planes" in lynx else self.planes
+        return scheme, planes

@@ -1,0 +1,208 @@
+"""LynxConnector inside real vLLM (CPU): producer and consumer instances in processes of their
+own, run from the vLLM environment (``make vllm-env``) by :mod:`lynx_bench.vllm_driver`.
+
+A tiny randomly initialised Llama (built here with transformers, no download) and the real
+default model. Skipped, with the command that installs it, when the vLLM environment is absent;
+``.ci/run`` installs it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lynx_bench.vllm_driver import INSTALL_HINT, VllmNode, free_port, vllm_python
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ucx]
+
+PYTHON = vllm_python()
+if PYTHON is None:
+    pytest.skip(f"the vLLM environment is not installed: {INSTALL_HINT}", allow_module_level=True)
+
+LAYERS = 8
+PROMPT = 2000  # tokens: 16 MB of bf16 KV for the tiny model
+
+
+def _tiny_llama(directory: Path) -> Path:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                                      head_dim=64, max_position_embeddings=4096, initializer_range=0.2,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def _ids(n: int, seed: int = 1) -> list[int]:
+    return [(i * 7919 + seed * 104729) % 509 + 2 for i in range(n)]
+
+
+def _with(params: dict[str, Any], scheme: str) -> dict[str, Any]:
+    p = json.loads(json.dumps(params))
+    p["lynx"]["scheme"] = scheme
+    return p
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+class Nodes:
+    """The instances of this module, started in parallel."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model = _tiny_llama(tmp / "tiny-llama")
+        # four instances: more at once do not start in time on two cores
+        specs: dict[str, dict[str, Any]] = {
+            "producer": dict(role="kv_producer", extra={"port": free_port(), "bandwidth_gbps": 0.2}),
+            "doomed": dict(role="kv_producer", extra={"port": free_port(), "bandwidth_gbps": 0.02}),
+            "consumer": dict(role="kv_consumer", extra={"stats_path": str(tmp / "consumer.jsonl")}),
+            "recompute": dict(role="kv_consumer", policy="recompute",
+                              extra={"stats_path": str(tmp / "recompute.jsonl")}),
+        }
+        self.specs = specs
+        self.nodes: dict[str, VllmNode] = {}
+        with cf.ThreadPoolExecutor(2) as pool:
+            futures = {name: pool.submit(VllmNode, PYTHON, self.model, log=tmp / f"{name}.log",
+                                         ready_timeout_s=300, **spec)
+                       for name, spec in specs.items()}
+            errors = []
+            for name, future in futures.items():
+                try:
+                    self.nodes[name] = future.result()
+                except Exception as exc:
+                    errors.append(f"{name}: {exc}")
+        if errors:
+            self.close()
+            raise AssertionError("vLLM instances failed to start:\n" + "\n".join(errors))
+
+    def __getitem__(self, name: str) -> VllmNode:
+        return self.nodes[name]
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            node.close()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
+    n = Nodes(tmp_path_factory.mktemp("vllm"))
+    yield n
+    n.close()
+
+
+def _ok(answer: dict[str, Any]) -> dict[str, Any]:
+    assert answer.get("error") is None, answer
+    return answer
+
+
+def test_bf16_equals_vllm_and_lynx_equals_int8_with_every_block_loaded_layer_by_layer(nodes: Nodes) -> None:
+    ids = _ids(PROMPT)
+    reference = _ok(nodes["consumer"].generate(ids, 12))["token_ids"]
+    assert len(set(reference)) > 2, "the tiny model's greedy output is degenerate; the test would prove little"
+    params = _ok(nodes["producer"].generate(ids, 1))["kv_transfer_params"]
+    port = nodes.specs["producer"]["extra"]["port"]
+    assert params["lynx"] == {"producer": ["127.0.0.1", port], "prompt_tokens": PROMPT}
+    out = {s: _ok(nodes["consumer"].generate(ids, 12, kv_transfer_params=_with(params, s)))["token_ids"]
+           for s in ("bf16", "int8", "lynx", "int4")}
+    assert out["bf16"] == reference
+    assert out["lynx"] == out["int8"]
+    loads = {r["scheme"]: r for r in _records(nodes.tmp / "consumer.jsonl")}
+    assert set(loads) == {"bf16", "int8", "lynx", "int4"}
+    for scheme, r in loads.items():
+        assert r["error"] is None, r
+        assert (r["layers_loaded"], r["tokens_loaded"]) == (LAYERS, PROMPT - 1), r  # every block, no recompute
+        assert r["forward_started_at"] < r["last_layer_landed_at"], (scheme, r)    # the forward overlapped
+    assert loads["int8"]["bytes_on_wire"] < 0.6 * loads["bf16"]["bytes_on_wire"]
+    assert loads["int4"]["bytes_on_wire"] < 0.6 * loads["int8"]["bytes_on_wire"]
+
+
+def test_two_consumers_one_producer_anchors_go_before_an_older_residual(nodes: Nodes) -> None:
+    ids_a, ids_b = _ids(PROMPT, seed=2), _ids(PROMPT, seed=3)
+    producer = nodes["producer"]
+    params_a = _ok(producer.generate(ids_a, 1))["kv_transfer_params"]
+    params_b = _ok(producer.generate(ids_b, 1))["kv_transfer_params"]
+    nodes["consumer"].send({"op": "generate", "id": "a", "prompt_ids": ids_a, "max_tokens": 4,
+                            "kv_transfer_params": _with(params_a, "lynx")})
+    time.sleep(0.1)  # a's anchors (about 0.17 s at 0.2 Gbit/s) are on the wire
+    nodes["recompute"].send({"op": "generate", "id": "b", "prompt_ids": ids_b, "max_tokens": 4,
+                             "kv_transfer_params": _with(params_b, "lynx")})
+    _ok(nodes["consumer"].answer(120))
+    _ok(nodes["recompute"].answer(120))
+    a = next(r for r in _records(nodes.tmp / "consumer.jsonl") if r["request_id"].startswith("a"))
+    b = next(r for r in _records(nodes.tmp / "recompute.jsonl") if r["request_id"].startswith("b"))
+    assert a["error"] is None and b["error"] is None
+    assert b["requested_at"] < a["lane1_done_at"], "b must ask while a's residual is still to come"
+    assert b["lane0_done_at"] < a["lane1_done_at"], (a, b)  # b's anchors were not queued behind a's residual
+
+
+def test_a_producer_killed_mid_transfer_fails_or_recomputes_within_5_s(nodes: Nodes) -> None:
+    """Two consumers pull from one producer, which is killed while both streams are on the wire: the
+    consumer with kv_load_failure_policy=fail fails its request, the one with recompute prefills the
+    prompt itself (the same greedy text), both within 5 s, neither keeping anything of the stream."""
+    ids = _ids(PROMPT, seed=4)
+    failing, recomputing = nodes["consumer"], nodes["recompute"]
+    reference = _ok(recomputing.generate(ids, 6))["token_ids"]
+    params = _with(_ok(nodes["doomed"].generate(ids, 1))["kv_transfer_params"], "bf16")
+    for consumer in (failing, recomputing):  # 16 MB each at 0.02 Gbit/s shared: ~13 s
+        consumer.send({"op": "generate", "id": "k", "prompt_ids": ids, "max_tokens": 6,
+                       "kv_transfer_params": params})
+    time.sleep(1.5)
+    nodes["doomed"].kill()
+    killed = time.monotonic()
+    failed, recomputed = failing.answer(30), recomputing.answer(30)
+    took = time.monotonic() - killed
+    assert took < 5.0, (took, failed, recomputed)
+    assert failed.get("error") is not None or failed["finish_reason"] == "error", failed
+    assert recomputed.get("error") is None and recomputed["token_ids"] == reference, recomputed
+    for stats in ("consumer.jsonl", "recompute.jsonl"):
+        record = [r for r in _records(nodes.tmp / stats) if r["request_id"].startswith("k")][-1]
+        assert record["error"] is not None and record["layers_loaded"] < LAYERS, record  # nothing partial kept
+    # the producer is gone now: a new request for its cache fails (or recomputes) at once
+    started = time.monotonic()
+    failed = failing.generate(ids, 6, kv_transfer_params=params)
+    recomputed = recomputing.generate(ids, 6, kv_transfer_params=params)
+    assert time.monotonic() - started < 5.0
+    assert failed.get("error") is not None or failed["finish_reason"] == "error", failed
+    assert recomputed.get("error") is None and recomputed["token_ids"] == reference, recomputed
+
+
+def test_the_default_model_bf16_equals_vllm_and_lynx_equals_int8(tmp_path: Path) -> None:
+    from lynx_decode.model.store import converted_model_dir, default_gguf_path
+
+    model = converted_model_dir(default_gguf_path())
+    ids = _ok_prompt(model)
+    with cf.ThreadPoolExecutor(2) as pool:
+        pf = pool.submit(VllmNode, PYTHON, model, role="kv_producer", log=tmp_path / "producer.log",
+                         extra={"port": free_port(), "bandwidth_gbps": 1.0})
+        cf_ = pool.submit(VllmNode, PYTHON, model, role="kv_consumer", log=tmp_path / "consumer.log",
+                          extra={"stats_path": str(tmp_path / "loads.jsonl")})
+        producer, consumer = pf.result(), cf_.result()
+    with producer, consumer:
+        reference = _ok(consumer.generate(ids, 8))["token_ids"]
+        params = _ok(producer.generate(ids, 1))["kv_transfer_params"]
+        out = {s: _ok(consumer.generate(ids, 8, kv_transfer_params=_with(params, s)))["token_ids"]
+               for s in ("bf16", "int8", "lynx")}
+    assert out["bf16"] == reference
+    assert out["lynx"] == out["int8"]
+    loads = _records(tmp_path / "loads.jsonl")
+    assert [r["scheme"] for r in loads] == ["bf16", "int8", "lynx"]
+    assert all(r["error"] is None and r["layers_loaded"] == 30 and r["tokens_loaded"] == len(ids) - 1
+               for r in loads), loads
+
+
+def _ok_prompt(model: Path) -> list[int]:
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer.from_file(str(model / "tokenizer.json"))
+    text = ("The decode node starts generating as soon as the anchors land, and verifies the drafted "
+            "tokens once the residual arrives. ") * 30
+    return list(tok.encode(text).ids)[:600]
