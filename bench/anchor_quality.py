@@ -39,7 +39,11 @@ greedy continuation, so the scheme's drafts are scored teacher-forced on that
 continuation (one pass per start).
 
 Run ``python -m lynx_bench.anchor_quality`` (``--help`` for the flags).
-torch is imported lazily (through the model).
+torch is imported lazily (through the model). This is the research tool behind
+the codec's reconstruction rule; ``lynx accuracy`` (:mod:`lynx_bench.accuracy`)
+is the report per scheme, and both share the texts (:mod:`lynx_bench.accuracy_texts`),
+the scorers (:mod:`lynx_bench.accuracy_scores`) and the codec round trip
+(:func:`lynx_bench.accuracy_schemes.codec_layers`).
 """
 
 from __future__ import annotations
@@ -50,12 +54,15 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from lynx_decode import CodecConfig, Scheme, Split, decode_layer, encode_layer
+from lynx_decode import CodecConfig, Scheme, Split, encode_layer
 from lynx_decode.model import HFCausalLM, KVBuffers, SlabCache
+
+from .accuracy_schemes import codec_layers
+from .accuracy_scores import kl_divergence, top1_agreement
+from .accuracy_texts import load_texts
 
 __all__ = [
     "Grid",
@@ -75,7 +82,6 @@ __all__ = [
 
 K_GROUP = 64
 V_GROUP = 64
-LICENSES = Path("/usr/share/common-licenses")
 EVAL_TEXTS = ("GPL-3", "LGPL-2.1", "MPL-2.0", "pydoc")
 FIT_TEXT = "Apache-2.0"  # held out: the learned tables are fitted on it, never evaluated on it
 END_COUNTS = 4  # table-occ: end-bin occupancies 1, 2, 3 and >= 4
@@ -344,9 +350,7 @@ def direct_quant(x: np.ndarray, kind: str, group: int, levels: int) -> np.ndarra
 
 def _codec(config: CodecConfig, anchor_only: bool) -> SchemeFn:
     def run(k: np.ndarray, v: np.ndarray) -> Layer:
-        enc = encode_layer(np.ascontiguousarray(k), np.ascontiguousarray(v), config)
-        bufs = list(enc.buffers.values())  # anchor stream first
-        return decode_layer(enc.layout, bufs[0], None if anchor_only else (bufs[1] if len(bufs) > 1 else None))
+        return codec_layers([(k, v)], config, (1 if anchor_only else None,))[0][0]
 
     return run
 
@@ -409,23 +413,6 @@ def build_schemes(bits: Sequence[int], rules: Sequence[str],
     return out
 
 
-# --------------------------------------------------------------------------- texts
-
-
-def load_texts(names: Sequence[str]) -> dict[str, str]:
-    """Real long texts by name: a file of /usr/share/common-licenses, or ``pydoc``
-    (Python's ``pydoc_data.topics``, every entry in key order)."""
-    out = {}
-    for name in names:
-        if name == "pydoc":
-            from pydoc_data.topics import topics  # noqa: PLC0415 - only for this text
-
-            out[name] = "\n\n".join(topics[key] for key in sorted(topics))
-        else:
-            out[name] = (LICENSES / name).read_text(encoding="utf-8")
-    return out
-
-
 # --------------------------------------------------------------------------- measurement
 
 
@@ -439,12 +426,6 @@ class Metrics:
     kl: float
     acceptance: dict[int, float] = field(default_factory=dict)
     starts: int = 0
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def _kv_cache(layers: Sequence[Layer], headroom: int) -> KVBuffers:
@@ -481,8 +462,6 @@ def evaluate_text(model: HFCausalLM, ids: Sequence[int], schemes: Mapping[str, S
         return model.forward(cache, cont), kv, cache
 
     ref_logits, _, _ = teacher(ref_layers)
-    ref_lp = _log_softmax(ref_logits)
-    ref_top = ref_logits.argmax(axis=-1)
 
     # the INT8 verifier's greedy continuation from every start
     int8_layers = [schemes["int8"](k, v) if "int8" in schemes else _codec(CodecConfig(scheme=Scheme.INT8), False)(k, v)
@@ -501,9 +480,8 @@ def evaluate_text(model: HFCausalLM, ids: Sequence[int], schemes: Mapping[str, S
         t0 = time.perf_counter()
         layers = [fn(k, v) for k, v in ref_layers]
         logits, _, cache = teacher(layers)
-        lp = _log_softmax(logits)
-        kl = float((np.exp(ref_lp) * (ref_lp - lp)).sum(axis=-1).mean())
-        agree = float((logits.argmax(axis=-1) == ref_top).mean())
+        kl = kl_divergence(ref_logits, logits)
+        agree = top1_agreement(ref_logits, logits)
         accepted = {k: 0 for k in drafts}
         for j in positions:
             cache.crop(prompt + j + 1)

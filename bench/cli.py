@@ -24,6 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("lynx_bench.info", "show versions and which backends are available"),
     "link": ("lynx_bench.link_cli", "emulated network link: two namespaces, veth, tc shaping"),
     "passkey": ("lynx_bench.workload_cli", "pass-key accuracy of the full-precision model per context and depth"),
+    "accuracy": ("lynx_bench.accuracy_cli",
+                 "accuracy per KV scheme: fidelity, generation and retrieval against BF16, with plots"),
     "serve": ("lynx_bench.serve_cli", "run a prefill node: prefill prompts and stream their KV caches"),
     "sweep": ("lynx_bench.sweep", "TTFT against link bandwidth for bf16/int8/int4/lynx, with plots"),
     "load": ("lynx_bench.load_cli",

@@ -108,8 +108,12 @@ def plot_ttft_vs_bandwidth(rows: Sequence[Row], path: Path) -> Path:
     return path
 
 
-def plot_accuracy(rows: Sequence[Row], path: Path) -> Path:
-    """Mean pass-key accuracy and agreement with INT8 per scheme (bars), per context."""
+_ACCURACY_TITLE = {"passkey": "pass-key accuracy", "generation": "tokens equal to BF16's (real text)",
+                   "fidelity": "teacher-forced top-1 agreement with BF16"}
+
+
+def plot_accuracy(rows: Sequence[Row], path: Path, *, workload: str = "passkey") -> Path:
+    """Mean accuracy (the sweep ``workload``'s) and agreement with INT8 per scheme (bars), per context."""
     plt = _pyplot()
     schemes = _schemes(rows)
     contexts = sorted({r.context for r in rows})
@@ -128,7 +132,8 @@ def plot_accuracy(rows: Sequence[Row], path: Path) -> Path:
     ax.set_xticks(range(len(schemes)), schemes, rotation=20 if len(schemes) > 5 else 0)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("fraction")
-    ax.set_title("pass-key accuracy and agreement with INT8 decoding")
+    ax.set_title(f"accuracy ({_ACCURACY_TITLE.get(workload, workload)}) and agreement with INT8 decoding",
+                 fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")

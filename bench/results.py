@@ -30,7 +30,7 @@ from typing import Any
 from lynx_bench.sweep_config import is_lynx
 
 __all__ = ["COLUMNS", "Row", "write_results", "read_results", "summary_table", "medians", "means",
-           "first_token_correct", "ttft_ratios", "ratio_table", "order_schemes", "CLOCKS_LEGEND",
+           "first_token_correct", "ttft_ratios", "ratio_table", "order_schemes", "CLOCKS_LEGEND", "ACCURACY_LEGEND",
            "crossover_lines"]
 
 
@@ -55,6 +55,7 @@ class Row:
     bytes_anchor: int
     bytes_residual: int
     bytes_total: int
+    #: the sweep workload's score (:data:`ACCURACY_LEGEND`)
     accuracy: float | None
     agreement_vs_int8: float | None
     agreement_vs_bf16: float | None
@@ -135,8 +136,15 @@ CLOCKS_LEGEND = (
     "the first token, final)\n"
     "ttfct_s: first committed (verified) token; e2e_s: last token; MB, accept (acceptance rate): medians\n"
     "fractions of runs: first_ok (LYNX: the first token shown equals the first committed one), "
-    "acc (pass-key found), =int8 (equal to INT8 decoding)"
+    "acc (the workload's accuracy, next line), =int8 (equal to INT8 decoding)"
 )
+
+#: What ``accuracy`` scores per sweep workload (``SweepWorkload`` value).
+ACCURACY_LEGEND = {
+    "passkey": "fraction of runs whose text holds the pass key",
+    "generation": "fraction of runs whose tokens all equal the BF16 run's (real text)",
+    "fidelity": "teacher-forced top-1 agreement with BF16 over the true continuation (real text)",
+}
 
 
 def order_schemes(schemes: Iterable[str]) -> list[str]:

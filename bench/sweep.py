@@ -2,7 +2,7 @@
 
 For each bandwidth x context x prompt x repeat x scheme, the decode node (a
 worker process, :mod:`lynx_bench.sweep_worker`) asks the prefill node (a
-``lynx serve`` process) for a pass-key prompt's cache through lynx_transport,
+``lynx serve`` process) for a prompt's cache through lynx_transport,
 with the link held to the bandwidth either by the sender's token-bucket shaper
 (``--link shaper``, default, no root) or by tc in two network namespaces
 (``--link netns``, root; one link per bandwidth). Results: ``DIR/results.json``,
@@ -17,6 +17,15 @@ LYNX split (``--anchor-bits 4,3`` or ``--planes 4,4 2,2,4``), each split a schem
 its own, ``lynx-4``, ``lynx-3``, ``lynx-2.2.4`` (just ``lynx`` for the default split
 alone; :func:`lynx_bench.sweep_config.lynx_scheme_name`). Every scheme, each split
 included, runs interleaved with the others at every point.
+
+Workloads (``--workload``, :class:`~lynx_bench.sweep_config.SweepWorkload`): the
+prompts and the ``accuracy`` column. ``fidelity`` (default): windows of real
+text, ``accuracy`` the teacher-forced top-1 agreement with BF16 over the text's
+next 256 tokens (:func:`lynx_bench.accuracy.fidelity_scores`, computed in this
+process after the timed runs; INT4 visibly loses there, LYNX does not);
+``generation``: the same windows, ``accuracy`` 1.0 when a run's tokens equal the
+BF16 run's; ``passkey``: pass-key prompts, ``accuracy`` the key found (1.0 for
+every scheme on the default model).
 
 ``agreement_vs_int8`` / ``agreement_vs_bf16``: 1.0 when a run's tokens equal the
 INT8 / BF16 run's tokens for the same prompt (decoded unshaped when that scheme
@@ -35,6 +44,7 @@ import os
 import shlex
 import sys
 import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +53,7 @@ from lynx_bench.node_args import add_timeout_arguments, timeout_argv, timeouts
 from lynx_bench.processes import Child, ChildError
 from lynx_bench.progress import progress_bar
 from lynx_bench.results import (
+    ACCURACY_LEGEND,
     CLOCKS_LEGEND,
     Row,
     crossover_lines,
@@ -54,9 +65,11 @@ from lynx_bench.results import (
 from lynx_bench.sweep_config import (
     QUICK,
     SCHEMES,
+    TEXT_CONTINUATION,
     LinkMode,
     SweepConfig,
     SweepScheme,
+    SweepWorkload,
     is_lynx,
     parse_floats,
     parse_ints,
@@ -90,8 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {','.join(map(str, d.splits[0]))}; the default split alone is named lynx)")
     parser.add_argument("--link", choices=[m.value for m in LinkMode],
                         help="shaper: the transport's token bucket (default); netns: tc in namespaces (root)")
+    parser.add_argument("--workload", choices=[w.value for w in SweepWorkload],
+                        help="prompts and accuracy: fidelity (real text, teacher-forced top-1 agreement with "
+                             "BF16), generation (real text, tokens equal to BF16's) or passkey "
+                             f"(default {d.workload.value})")
     parser.add_argument("--repeats", type=int, help=f"repeats per point (default {d.repeats})")
-    parser.add_argument("--seed", type=int, help=f"pass-key seed (default {d.seed})")
+    parser.add_argument("--seed", type=int, help=f"seed of the prompts (default {d.seed})")
     parser.add_argument("--out", type=Path, help=f"output folder (default {d.out})")
     parser.add_argument("--quick", action="store_true",
                         help="the demo preset (0.5, 1, 2, 5, 10 Gbit/s, 4096 tokens, 1 prompt, 16 tokens, 1 repeat)")
@@ -118,6 +135,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
             changes[name] = getattr(args, name)
     if args.link is not None:
         changes["link"] = LinkMode(args.link)
+    if args.workload is not None:
+        changes["workload"] = SweepWorkload(args.workload)
     changes["timeouts"] = timeouts(args)
     if args.quick and args.out is None:
         changes["out"] = Path("demo-out")
@@ -158,7 +177,8 @@ def _request(config: SweepConfig, job: _Job) -> dict[str, Any]:
     """The worker's job line for ``job`` (see :mod:`lynx_bench.sweep_worker`)."""
     return {"context": job.context, "prompt_id": job.prompt_id, "seed": config.seed,
             "scheme": job.codec_scheme, "planes": None if job.planes is None else list(job.planes),
-            "bandwidth_gbps": job.bandwidth_gbps, "new_tokens": config.new_tokens}
+            "bandwidth_gbps": job.bandwidth_gbps, "new_tokens": config.new_tokens,
+            "workload": config.workload.value}
 
 
 def _python() -> list[str]:
@@ -249,13 +269,16 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
         runs.close()
         if bar is not None:
             bar.close()
-    rows = _rows(results)
+    rows = _rows(results, config.workload)
     recorded = {"command": command, **config.to_json(), "model_id": model_id,
                 "finished_unix": time.time()}
     return rows, recorded
 
 
-def _rows(results: list[tuple[_Job, dict[str, Any]]]) -> list[Row]:
+def _rows(results: list[tuple[_Job, dict[str, Any]]], workload: SweepWorkload = SweepWorkload.PASSKEY) -> list[Row]:
+    """The recorded runs as rows; ``accuracy`` is the worker's (pass key found) or, for
+    ``generation``, the run's agreement with the BF16 run (``fidelity``: filled in
+    later by :func:`_with_fidelity`, None until then)."""
     refs: dict[tuple[str, int, int], list[int]] = {}
     for job, out in results:
         if job.scheme in ("int8", "bf16") and job.repeat == 0:
@@ -279,10 +302,37 @@ def _rows(results: list[tuple[_Job, dict[str, Any]]]) -> list[Row]:
                                                     out["tokens"], verified=out.get("verified", True)),
             acceptance_rate=out["acceptance_rate"],
             bytes_anchor=out["bytes_anchor"], bytes_residual=out["bytes_residual"],
-            bytes_total=out["bytes_total"], accuracy=out["accuracy"],
+            bytes_total=out["bytes_total"],
+            accuracy=agree("bf16", job, out["tokens"]) if workload is SweepWorkload.GENERATION else out["accuracy"],
             agreement_vs_int8=agree("int8", job, out["tokens"]), agreement_vs_bf16=agree("bf16", job, out["tokens"]),
             text=out["text"], physical_limit_s=out.get("physical_limit_s")))
     return rows
+
+
+def _with_fidelity(config: SweepConfig, rows: list[Row], *, progress: bool) -> list[Row]:
+    """``rows`` with ``accuracy`` the teacher-forced top-1 agreement with BF16 of each
+    run's scheme on its prompt (one model in this process, after the nodes stopped)."""
+    from lynx_bench.accuracy import fidelity_scores  # noqa: PLC0415 - loads the model's code
+    from lynx_bench.accuracy_texts import load_corpus  # noqa: PLC0415
+    from lynx_decode.model import CausalLM, HFCausalLM  # noqa: PLC0415
+
+    # HFCausalLM.forward takes its own SlabCache, narrower than the protocol's LMCache
+    model = typing.cast(CausalLM, HFCausalLM.load())
+    schemes = config.sweep_schemes
+    bar = progress_bar(len(config.contexts) * config.prompts, disable=not progress, unit="prompt")
+
+    def step(label: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(label)
+            bar.update()
+
+    try:
+        scores = fidelity_scores(model, load_corpus(model.tokenize), config.contexts, config.prompts, config.seed,
+                                 schemes, TEXT_CONTINUATION, on_case=step)
+    finally:
+        if bar is not None:
+            bar.close()
+    return [dataclasses.replace(r, accuracy=scores[(r.scheme, r.context, r.prompt_id)]) for r in rows]
 
 
 def _convert_model_here() -> None:
@@ -319,16 +369,19 @@ def run(args: argparse.Namespace) -> int:
     command = shlex.join(["lynx", *sys.argv[1:]]) if sys.argv[0].endswith("lynx") else shlex.join(sys.argv)
     _convert_model_here()
     rows, recorded = run_sweep(config, progress=not args.no_progress, command=command)
+    if config.workload is SweepWorkload.FIDELITY:
+        rows = _with_fidelity(config, rows, progress=not args.no_progress)
     json_path, csv_path = write_results(config.out, recorded, rows)
     from lynx_bench.plots import plot_accuracy, plot_ttft_vs_bandwidth  # noqa: PLC0415
 
     ttft_png = plot_ttft_vs_bandwidth(rows, config.out / "ttft_vs_bandwidth.png")
-    acc_png = plot_accuracy(rows, config.out / "accuracy.png")
+    acc_png = plot_accuracy(rows, config.out / "accuracy.png", workload=config.workload.value)
     if args.json:
         print(json_path.read_text())
     else:
         print(summary_table(rows))
         print(CLOCKS_LEGEND)
+        print(f"acc ({config.workload.value}): {ACCURACY_LEGEND[config.workload.value]}")
         print()
         print("median ratios per LYNX split against the INT8 and INT4 baselines, same run:")
         print(ratio_table(rows))

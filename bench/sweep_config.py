@@ -32,7 +32,8 @@ from lynx_decode.errors import CodecError
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import ConfigError
 
-__all__ = ["LinkMode", "SweepConfig", "SweepScheme", "QUICK", "SCHEMES", "DEFAULT_PLANES", "is_lynx",
+__all__ = ["LinkMode", "SweepWorkload", "DEFAULT_WORKLOAD", "TEXT_CONTINUATION", "SweepConfig", "SweepScheme",
+           "QUICK", "SCHEMES", "DEFAULT_PLANES", "is_lynx",
            "lynx_scheme_name", "parse_floats", "parse_ints", "parse_planes_flag", "check_writable_dir"]
 
 SCHEMES = ("bf16", "int8", "int4", "lynx")
@@ -64,6 +65,33 @@ class SweepScheme:
     planes: tuple[int, ...] | None = None
 
 
+class SweepWorkload(enum.Enum):
+    """What the sweep's prompts are and what its ``accuracy`` column scores.
+
+    ``fidelity`` (the default): windows of real text (:mod:`lynx_bench.accuracy_texts`);
+    teacher-forced top-1 agreement with BF16 over the next :data:`TEXT_CONTINUATION`
+    true tokens, computed after the timed runs in the sweep's own process through the
+    codec (``lynx accuracy``'s ``top1_agreement_vs_bf16``). ``generation``: the same
+    windows, 1.0 when the run's new tokens all equal BF16's for the same prompt (the
+    ``full_match_vs_bf16`` of ``lynx accuracy``, on the tokens the timed run produced).
+    ``passkey``: pass-key prompts (:mod:`lynx_bench.workload`), 1.0 when the run's text
+    holds the key; every scheme scores 1.0 on the default model, so it does not
+    separate them.
+    """
+
+    PASSKEY = "passkey"
+    FIDELITY = "fidelity"
+    GENERATION = "generation"
+
+
+#: the sweep's workload unless ``--workload`` says otherwise: it separated INT4 from INT8
+#: by the most standard errors in ``lynx accuracy`` (about 12 at 2k and 4k tokens, against
+#: 9 and 5 for generation), and stays steady with the sweep's one or two prompts (README)
+DEFAULT_WORKLOAD = SweepWorkload.FIDELITY
+#: text-window tokens past the prompt (teacher-forced by ``--workload fidelity``)
+TEXT_CONTINUATION = 256
+
+
 class LinkMode(enum.Enum):
     """How the link rate is imposed: the transport's own shaper, or tc in namespaces."""
 
@@ -86,6 +114,8 @@ class SweepConfig:
     repeats: int = 3
     out: Path = Path("sweep-out")
     seed: int = 0
+    #: the prompts and the ``accuracy`` column (:class:`SweepWorkload`)
+    workload: SweepWorkload = DEFAULT_WORKLOAD
     #: the nodes' timeouts (``--*-timeout`` flags), handed to both node processes
     timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
 
@@ -124,7 +154,7 @@ class SweepConfig:
                 raise ConfigError(f"--schemes: unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
             if self.schemes.count(scheme) > 1:
                 raise ConfigError(f"--schemes: {scheme} is listed twice")
-        self._validate_splits()
+        self.validate_splits()
         if not self.contexts:
             raise ConfigError("--contexts: give at least one context length")
         for ctx in self.contexts:
@@ -134,6 +164,11 @@ class SweepConfig:
                 raise ConfigError(
                     f"--contexts: {ctx} + {self.new_tokens} new tokens exceeds the model's "
                     f"context window of {max_context} tokens")
+            if (max_context is not None and self.workload is SweepWorkload.FIDELITY
+                    and ctx + TEXT_CONTINUATION > max_context):
+                raise ConfigError(
+                    f"--contexts: {ctx} + {TEXT_CONTINUATION} teacher-forced tokens (--workload fidelity) "
+                    f"exceeds the model's context window of {max_context} tokens")
         for name, value, low in (("--prompts", self.prompts, 1), ("--new-tokens", self.new_tokens, 1),
                                  ("--repeats", self.repeats, 1)):
             if value < low:
@@ -141,7 +176,8 @@ class SweepConfig:
         check_writable_dir(self.out, "--out")
         return self
 
-    def _validate_splits(self) -> None:
+    def validate_splits(self) -> None:
+        """The ``--anchor-bits`` / ``--planes`` checks alone (``lynx accuracy`` shares them)."""
         if self.anchor_bits is not None and self.planes is not None:
             raise ConfigError("--planes and --anchor-bits are mutually exclusive: give the splits with one of them")
         flag, given = ("--planes", self.planes) if self.planes is not None else ("--anchor-bits", self.anchor_bits)
@@ -171,6 +207,7 @@ class SweepConfig:
     def to_json(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
         d["link"] = self.link.value
+        d["workload"] = self.workload.value
         d["out"] = str(self.out)
         d["splits"] = [list(p) for p in self.splits]
         d["sweep_schemes"] = [s.name for s in self.sweep_schemes]

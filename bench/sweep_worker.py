@@ -8,14 +8,19 @@ prints is ``READY {json}`` with the model's facts, so the driver can validate
 context lengths before any run starts.
 
 A job: ``{"context", "prompt_id", "seed", "scheme", "planes", "bandwidth_gbps",
-"new_tokens"}``: ``scheme`` is the codec's (``lynx`` for every LYNX split) and
-``planes`` the LYNX split as a list of widths (null for other schemes). The
-pass-key prompt of ``(context, prompt_id, seed)`` is built here with the model's
-tokenizer (deterministic) and cached. A result holds the decode node's metrics,
-``text``, ``tokens``, ``planes`` (as asked) and ``first_tentative_token``: the
-first :class:`~lynx_decode.events.Tentative` token of the run (null when nothing
-was drafted). A failed run answers ``RESULT {"error": "..."}``; the worker
-carries on.
+"new_tokens", "workload"}``: ``scheme`` is the codec's (``lynx`` for every LYNX
+split), ``planes`` the LYNX split as a list of widths (null for other schemes) and
+``workload`` a :class:`~lynx_bench.sweep_config.SweepWorkload` value (default
+``passkey``). The prompt of ``(workload, context, prompt_id, seed)`` is built here
+with the model's tokenizer (deterministic) and cached: a pass-key prompt, or the
+first ``context`` tokens of the text window
+``text_windows(corpus, context, TEXT_CONTINUATION, prompts, seed)[prompt_id]`` (the
+windows ``lynx sweep --workload fidelity`` scores). A result holds the decode node's
+metrics, ``text``, ``tokens``, ``planes`` (as asked), ``first_tentative_token``:
+the first :class:`~lynx_decode.events.Tentative` token of the run (null when
+nothing was drafted), and ``accuracy``: the pass key found (1.0/0.0), null for
+the text workloads (the driver scores those). A failed run answers
+``RESULT {"error": "..."}``; the worker carries on.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import sys
 from typing import Any
 
+from lynx_bench.accuracy_texts import Corpus, load_corpus, text_windows
 from lynx_bench.node_args import (
     add_model_arguments,
     add_timeout_arguments,
@@ -34,6 +40,7 @@ from lynx_bench.node_args import (
     timeouts,
     transport_config,
 )
+from lynx_bench.sweep_config import TEXT_CONTINUATION, SweepWorkload
 from lynx_bench.workload import PassKeyCase, passkey_cases, score
 from lynx_transport.errors import LynxError
 
@@ -62,6 +69,17 @@ def main(argv: list[str] | None = None) -> int:
 
     info = model.info
     cases: dict[tuple[int, int], PassKeyCase] = {}
+    windows: dict[tuple[int, int], list[int]] = {}
+    corpus: list[Corpus] = []  # loaded on the first text job
+
+    def text_prompt(context: int, seed: int, prompt_id: int) -> list[int]:
+        if (context, seed) not in windows:
+            if not corpus:
+                corpus.append(load_corpus(model.tokenize))
+            for i, w in enumerate(text_windows(corpus[0], context, TEXT_CONTINUATION, args.prompts, seed)):
+                windows[(context, seed + i)] = list(w.ids[:context])
+        return windows[(context, seed + prompt_id)]
+
     with DecodeNode(model, host=args.listen_host, timeouts=timeouts(args),
                     config=transport_config(args)) as node:
         head_s = model.lm_head_s()
@@ -71,12 +89,17 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             job = json.loads(line)
             try:
+                workload = SweepWorkload(job.get("workload", SweepWorkload.PASSKEY.value))
                 key = (int(job["context"]), int(job["seed"]))
-                if key not in cases:
-                    for i, case in enumerate(passkey_cases(model.tokenize, key[0], args.prompts,
-                                                           key[1])):
-                        cases[(key[0], key[1] + i)] = case
-                case = cases[(key[0], key[1] + int(job["prompt_id"]))]
+                case: PassKeyCase | None = None
+                if workload is SweepWorkload.PASSKEY:
+                    if key not in cases:
+                        for i, pk in enumerate(passkey_cases(model.tokenize, key[0], args.prompts, key[1])):
+                            cases[(key[0], key[1] + i)] = pk
+                    case = cases[(key[0], key[1] + int(job["prompt_id"]))]
+                    prompt = model.tokenize(case.prompt)
+                else:
+                    prompt = text_prompt(key[0], key[1], int(job["prompt_id"]))
                 planes = None if job.get("planes") is None else tuple(int(w) for w in job["planes"])
                 first_tentative: list[int] = []
 
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                     if isinstance(event, Tentative) and not seen:
                         seen.append(event.token)
 
-                result = node.run(server, model.tokenize(case.prompt),
+                result = node.run(server, prompt,
                                   scheme=Scheme(job["scheme"]),
                                   max_new_tokens=int(job["new_tokens"]),
                                   planes=planes,
@@ -98,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                 head_s, info.num_layers),
                              "first_tentative_token": first_tentative[0] if first_tentative else None,
                              "text": result.text, "tokens": list(result.tokens),
-                             "accuracy": score(result.text, case.key), "key": case.key,
-                             "depth": case.depth, "prompt_tokens": case.n_tokens})
+                             "accuracy": None if case is None else score(result.text, case.key),
+                             "key": None if case is None else case.key,
+                             "depth": None if case is None else case.depth, "prompt_tokens": len(prompt)})
     return 0
 
 

@@ -26,7 +26,7 @@ def _lynx(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 def test_tiny_sweep_writes_fixed_columns_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     proc = _lynx("sweep", "--bandwidths", "1,10", "--contexts", "256", "--prompts", "1",
-                 "--new-tokens", "4", "--repeats", "1", "--out", str(out), "--no-progress")
+                 "--new-tokens", "4", "--repeats", "1", "--workload", "passkey", "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads((out / "results.json").read_text())
     assert payload["config"]["bandwidths_gbps"] == [1.0, 10.0]
@@ -71,7 +71,7 @@ def test_tiny_sweep_writes_fixed_columns_and_plots(tmp_path: Path) -> None:
 def test_two_splits_run_side_by_side_as_named_schemes(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     proc = _lynx("sweep", "--quick", "--bandwidths", "1", "--contexts", "256", "--new-tokens", "4",
-                 "--planes", "4,4", "2,2,4", "--out", str(out), "--no-progress")
+                 "--planes", "4,4", "2,2,4", "--workload", "passkey", "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads((out / "results.json").read_text())
     assert payload["config"]["splits"] == [[4, 4], [2, 2, 4]]
