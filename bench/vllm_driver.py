@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from lynx_bench.errors import VllmNodeError
 
-__all__ = ["VLLM_ENV", "INSTALL_HINT", "vllm_python", "free_port", "VllmNode"]
+__all__ = ["VLLM_ENV", "INSTALL_HINT", "vllm_python", "numba_cache_env", "free_port", "VllmNode"]
 
 #: The vLLM environment's folder (relative to the repository root), overridable by $LYNX_VLLM_ENV.
 VLLM_ENV = ".venv-vllm"
@@ -38,6 +38,13 @@ def vllm_python(root: Path | None = None) -> Path | None:
     base = Path(env) if env else (root or Path(__file__).resolve().parent.parent) / VLLM_ENV
     python = base / "bin" / "python"
     return python if python.is_file() else None
+
+
+def numba_cache_env(python: Path) -> dict[str, str]:
+    """``NUMBA_CACHE_DIR`` inside the environment of ``python``: the vLLM environment's numba (0.65)
+    is not the main one's, and a Numba cache index written by one version is thrown away by the other,
+    so sharing the source tree's ``__pycache__`` would recompile the codec in every other process."""
+    return {"NUMBA_CACHE_DIR": str(Path(python).parent.parent / "numba-cache")}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,7 +73,8 @@ class VllmNode:
         # a session of its own: vLLM's engine and worker processes are its children, and every
         # ending (close, kill, a failed start) ends them all
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+                                     text=True, env={**os.environ, **numba_cache_env(python), **(env or {})},
+                                     start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, name=f"vllm-node-{self.proc.pid}", daemon=True)
         self._reader.start()
