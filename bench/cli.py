@@ -32,7 +32,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
              "serving under load: open-loop Poisson requests from many decode nodes, tail TTFT per scheme"),
     "generate": ("lynx_bench.generate_cli", "run a decode node: fetch a prompt's KV cache and generate"),
     "bench-transport": ("lynx_bench.bench_transport",
-                        "transport throughput vs raw ucxx, ucx_perftest and asyncio TCP; priority and shaping"),
+                        "transport throughput and latency vs raw ucxx, ucx_perftest, asyncio TCP, NIXL and "
+                        "Mooncake TE; priority and shaping"),
 }
 
 _EXTRA_HINT = {
