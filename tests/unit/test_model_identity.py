@@ -174,11 +174,16 @@ class RoguePrefill:
 
 
 def _send(model: ModelInfo, mutate: Callable[[dict[str, Any]], None] | None = None,
-          regions: Callable[[list[tuple[str, int, int]]], list[tuple[str, int, int]]] | None = None):
+          regions: Callable[[list[tuple[str, int, int]]], list[tuple[str, int, int]]] | None = None, *,
+          held: bool = False):
+    """``held``: a LYNX cache whose residual waits for the receiver's release, so the stream cannot
+    complete before the receiver decides (a tiny stream would otherwise land whole first, and a
+    refusal then has no live stream to end)."""
     def craft(conn: Any, request: KVRequest) -> Any:
         if mutate is None and regions is None:
             return send_cache(conn, _prefill(model.num_layers, model.kv_heads, model.head_dim), model,
-                              CodecConfig(Scheme.INT8), request_id=request.request_id, t0_unix=time.time())
+                              CodecConfig(Scheme.LYNX if held else Scheme.INT8), request_id=request.request_id,
+                              t0_unix=time.time(), hold_residual=held)
         header = _header(model)
         header = dataclasses.replace(header, request_id=request.request_id)
         obj = json.loads(zlib.decompress(header.to_metadata()))
@@ -223,7 +228,7 @@ def test_every_refusal_reaches_the_run_at_once_and_ends_the_stream(case: str, de
         sender = _info(layers=(LayerGeometry(1, 1, 8),))
     else:
         sender = _info(fingerprint=FP if sender_fp is None else sender_fp)
-    rogue = RoguePrefill(transport, _send(sender, mutate, regions))
+    rogue = RoguePrefill(transport, _send(sender, mutate, regions, held=True))
     try:
         start = time.monotonic()
         with pytest.raises(LynxError, match=message):
