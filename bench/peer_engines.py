@@ -21,8 +21,8 @@ import dataclasses
 import enum
 import importlib.util
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 __all__ = ["Engine", "PeerEngine", "ENGINES", "missing", "install_hint", "timed", "WARM_UP_S",
            "import_error"]
@@ -94,6 +94,33 @@ def missing(engine: Engine) -> str | None:
 def import_error(engine: Engine, exc: BaseException) -> str:
     """The skip reason for an engine whose import failed in its child."""
     return f"{engine.value}: importing {ENGINES[engine].module} failed ({exc}); {install_hint(engine)}"
+
+
+#: What a request handler of :func:`serve` returns when it sent its own answer.
+ANSWERED = object()
+
+
+def serve(pipe: Any, handlers: Mapping[str, Callable[..., Any]]) -> None:
+    """A peer child's request loop: answer each ``(op, *args)`` from the parent with
+    ``("ok", handlers[op](*args))`` (unless the handler answered itself and returned
+    :data:`ANSWERED`) until ``("exit",)``."""
+    while True:
+        op, *args = pipe.recv()
+        if op == "exit":
+            return
+        if op not in handlers:
+            raise ValueError(f"unknown request {op!r}")
+        result = handlers[op](*args)
+        if result is not ANSWERED:
+            pipe.send(("ok", result))
+
+
+def timed_writes(write: Callable[[int, bool], float]) -> Callable[[int, int, float, bool], list[float]]:
+    """The ``("timed", size, messages, warm_up_s, from_written)`` handler of an initiator whose
+    ``write(size, from_written)`` times one message."""
+    def handler(size: int, messages: int, warm_up_s: float, from_written: bool) -> list[float]:
+        return timed(lambda: write(size, from_written), messages, warm_up_s)
+    return handler
 
 
 def timed(send: Callable[[], T], messages: int, warm_up_s: float = WARM_UP_S) -> list[T]:

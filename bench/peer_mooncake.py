@@ -18,13 +18,12 @@ written.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import time
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-from lynx_bench.peer_engines import ENGINES, Engine, import_error, timed
+from lynx_bench.peer_engines import ENGINES, Engine, import_error, serve, timed_writes
 from lynx_transport.testing import PeerProcess
 
 __all__ = ["MooncakePair", "mooncake_target", "mooncake_initiator", "CONFIG"]
@@ -85,20 +84,12 @@ def mooncake_initiator(pipe: Pipe, nbytes: int) -> None:
             raise RuntimeError(f"Mooncake transfer_sync_write of {size} B to {session} failed")
         return time.perf_counter() - start
 
-    while True:
-        request = pipe.recv()
-        op = request[0]
-        if op == "exit":
-            return
-        if op == "connect":
-            session, remote_address = request[1], int(request[2])
-            result: Any = session
-        elif op == "timed":
-            _, size, messages, warm_up_s, from_written = request
-            result = timed(functools.partial(write, size, from_written), messages, warm_up_s)
-        else:
-            raise ValueError(f"unknown request {op!r}")
-        pipe.send(("ok", result))
+    def connect(target: str, address: int) -> str:
+        nonlocal session, remote_address
+        session, remote_address = target, int(address)
+        return session
+
+    serve(pipe, {"connect": connect, "timed": timed_writes(write)})
 
 
 class MooncakePair:

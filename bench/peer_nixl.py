@@ -28,14 +28,13 @@ sends from a never-written buffer, like ``lynx_gbps`` (see
 from __future__ import annotations
 
 import enum
-import functools
 import importlib
 import os
 import time
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-from lynx_bench.peer_engines import ENGINES, Engine, import_error, timed
+from lynx_bench.peer_engines import ANSWERED, ENGINES, Engine, import_error, serve, timed_writes
 from lynx_transport.testing import PeerProcess
 
 __all__ = ["NixlConfig", "NixlPair", "nixl_target", "nixl_initiator"]
@@ -99,24 +98,17 @@ def nixl_target(pipe: Pipe, nbytes: int, tls: str, config: NixlConfig, ucx_env: 
         return
     pipe.send(("ok", {"metadata": agent.get_agent_metadata(), "address": address}))
     notifs = 0
-    while True:
-        request = pipe.recv()
-        op = request[0]
-        if op == "exit":
-            return
-        if op == "connect":
-            result: Any = agent.add_remote_agent(request[1])
-        elif op == "poll":
-            pipe.send(("ok", "polling"))
-            while not pipe.poll(0):
-                for _ in range(64):
-                    notifs += sum(len(v) for v in agent.get_new_notifs().values())
-            continue  # the request that ended the polling is answered next
-        elif op == "stop":
-            result = notifs
-        else:
-            raise ValueError(f"unknown request {op!r}")
-        pipe.send(("ok", result))
+
+    def poll() -> object:
+        """Busy-poll (the no-progress-thread configuration) until the parent's next request."""
+        nonlocal notifs
+        pipe.send(("ok", "polling"))
+        while not pipe.poll(0):
+            for _ in range(64):
+                notifs += sum(len(v) for v in agent.get_new_notifs().values())
+        return ANSWERED  # the request that ended the polling is answered next
+
+    serve(pipe, {"connect": agent.add_remote_agent, "poll": poll, "stop": lambda: notifs})
 
 
 def nixl_initiator(pipe: Pipe, nbytes: int, tls: str, config: NixlConfig,
@@ -155,22 +147,14 @@ def nixl_initiator(pipe: Pipe, nbytes: int, tls: str, config: NixlConfig,
             raise RuntimeError(f"NIXL transfer of {size} B failed: {state}")
         return time.perf_counter() - start
 
-    while True:
-        request = pipe.recv()
-        op = request[0]
-        if op == "exit":
-            return
-        if op == "connect":
-            remote = agent.add_remote_agent(request[1])
-            remote_address = int(request[2])
-            agent.make_connection(remote)  # documented: spares the first transfer the wire-up
-            result: Any = remote
-        elif op == "timed":
-            _, size, messages, warm_up_s, from_written = request
-            result = timed(functools.partial(write, size, from_written), messages, warm_up_s)
-        else:
-            raise ValueError(f"unknown request {op!r}")
-        pipe.send(("ok", result))
+    def connect(metadata: Any, address: int) -> Any:
+        nonlocal remote, remote_address
+        remote = agent.add_remote_agent(metadata)
+        remote_address = int(address)
+        agent.make_connection(remote)  # documented: spares the first transfer the wire-up
+        return remote
+
+    serve(pipe, {"connect": connect, "timed": timed_writes(write)})
 
 
 class NixlPair:
