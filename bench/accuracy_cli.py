@@ -21,7 +21,6 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from lynx_transport.errors import ConfigError
 
@@ -31,7 +30,7 @@ from .accuracy_texts import LICENSES, load_corpus
 from .node_args import add_model_arguments, load_model
 from .progress import progress_bar
 from .results import Row, read_results
-from .sweep_config import SCHEMES, parse_ints, parse_planes_flag
+from .sweep_config import SCHEMES, scheme_flag_changes
 
 __all__ = ["add_arguments", "run", "config_from_args"]
 
@@ -69,17 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> AccuracyConfig:
-    changes: dict[str, Any] = {}
+    changes = scheme_flag_changes(args)
     if args.workloads is not None:
         changes["workloads"] = parse_workloads(args.workloads)
-    if args.contexts is not None:
-        changes["contexts"] = parse_ints(args.contexts, "--contexts")
-    if args.schemes is not None:
-        changes["schemes"] = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
-    if args.anchor_bits is not None:
-        changes["anchor_bits"] = parse_ints(args.anchor_bits, "--anchor-bits")
-    if args.planes is not None:
-        changes["planes"] = parse_planes_flag(args.planes, "--planes")
     if args.texts is not None:
         changes["texts"] = tuple(t.strip() for t in args.texts.split(",") if t.strip())
     for name in ("cases", "fidelity_tokens", "generation_tokens", "answer_tokens", "seed", "out"):

@@ -31,7 +31,7 @@ from pathlib import Path
 from lynx_transport.errors import ConfigError
 
 from .accuracy_texts import DEFAULT_TEXTS
-from .sweep_config import SCHEMES, SweepConfig, SweepScheme, check_writable_dir
+from .sweep_config import SCHEMES, SweepConfig, SweepScheme, check_schemes, check_writable_dir
 
 __all__ = ["Workload", "METRICS", "HEADLINE", "AccuracyConfig", "parse_workloads"]
 
@@ -124,13 +124,7 @@ class AccuracyConfig:
                 raise ConfigError(f"--workloads: {w!r} is not a workload")
             if self.workloads.count(w) > 1:
                 raise ConfigError(f"--workloads: {w.value} is listed twice")
-        if not self.schemes:
-            raise ConfigError("--schemes: give at least one scheme")
-        for scheme in self.schemes:
-            if scheme not in SCHEMES:
-                raise ConfigError(f"--schemes: unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-            if self.schemes.count(scheme) > 1:
-                raise ConfigError(f"--schemes: {scheme} is listed twice")
+        check_schemes(self.schemes)
         self._sweep.validate_splits()
         for name, value in (("--cases", self.cases), ("--fidelity-tokens", self.fidelity_tokens),
                             ("--generation-tokens", self.generation_tokens),

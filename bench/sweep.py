@@ -72,8 +72,7 @@ from lynx_bench.sweep_config import (
     SweepWorkload,
     is_lynx,
     parse_floats,
-    parse_ints,
-    parse_planes_flag,
+    scheme_flag_changes,
 )
 from lynx_transport.errors import ConfigError
 
@@ -119,17 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
     base = QUICK if args.quick else SweepConfig()
-    changes: dict[str, Any] = {}
+    changes = scheme_flag_changes(args)
     if args.bandwidths is not None:
         changes["bandwidths_gbps"] = parse_floats(args.bandwidths, "--bandwidths")
-    if args.contexts is not None:
-        changes["contexts"] = parse_ints(args.contexts, "--contexts")
-    if args.schemes is not None:
-        changes["schemes"] = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
-    if args.anchor_bits is not None:
-        changes["anchor_bits"] = parse_ints(args.anchor_bits, "--anchor-bits")
-    if args.planes is not None:
-        changes["planes"] = parse_planes_flag(args.planes, "--planes")
     for name in ("prompts", "new_tokens", "repeats", "seed", "out"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)

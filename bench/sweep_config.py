@@ -13,11 +13,13 @@ otherwise ``lynx-<planes_name>`` (``lynx-4``, ``lynx-3``, ``lynx-2.2.4``).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from lynx_decode.codec.config import (
     ANCHOR_BITS,
@@ -34,7 +36,8 @@ from lynx_transport.errors import ConfigError
 
 __all__ = ["LinkMode", "SweepWorkload", "DEFAULT_WORKLOAD", "TEXT_CONTINUATION", "SweepConfig", "SweepScheme",
            "QUICK", "SCHEMES", "DEFAULT_PLANES", "is_lynx",
-           "lynx_scheme_name", "parse_floats", "parse_ints", "parse_planes_flag", "check_writable_dir"]
+           "lynx_scheme_name", "parse_floats", "parse_ints", "parse_planes_flag", "scheme_flag_changes",
+           "check_schemes", "check_writable_dir"]
 
 SCHEMES = ("bf16", "int8", "int4", "lynx")
 #: The LYNX split a sweep runs when neither ``--anchor-bits`` nor ``--planes`` is given.
@@ -147,13 +150,7 @@ class SweepConfig:
         for bw in self.bandwidths_gbps:
             if not bw > 0 or bw != bw or bw == float("inf"):
                 raise ConfigError(f"--bandwidths: {bw:g} Gbit/s is not a positive finite rate")
-        if not self.schemes:
-            raise ConfigError("--schemes: give at least one scheme")
-        for scheme in self.schemes:
-            if scheme not in SCHEMES:
-                raise ConfigError(f"--schemes: unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-            if self.schemes.count(scheme) > 1:
-                raise ConfigError(f"--schemes: {scheme} is listed twice")
+        check_schemes(self.schemes)
         self.validate_splits()
         if not self.contexts:
             raise ConfigError("--contexts: give at least one context length")
@@ -219,6 +216,32 @@ class SweepConfig:
 #: prompt, 16 tokens, one run per point (about two minutes after the install)
 QUICK = SweepConfig(bandwidths_gbps=(0.5, 1.0, 2.0, 5.0, 10.0), contexts=(4096,), prompts=1, new_tokens=16,
                     repeats=1)
+
+
+def check_schemes(schemes: tuple[str, ...]) -> None:
+    """``--schemes``: at least one, each known, none twice (:class:`ConfigError` naming the flag)."""
+    if not schemes:
+        raise ConfigError("--schemes: give at least one scheme")
+    for scheme in schemes:
+        if scheme not in SCHEMES:
+            raise ConfigError(f"--schemes: unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+        if schemes.count(scheme) > 1:
+            raise ConfigError(f"--schemes: {scheme} is listed twice")
+
+
+def scheme_flag_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields given by the flags the sweep and the accuracy report share
+    (``--contexts``, ``--schemes``, ``--anchor-bits``, ``--planes``; those not given are left out)."""
+    changes: dict[str, Any] = {}
+    if args.contexts is not None:
+        changes["contexts"] = parse_ints(args.contexts, "--contexts")
+    if args.schemes is not None:
+        changes["schemes"] = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
+    if args.anchor_bits is not None:
+        changes["anchor_bits"] = parse_ints(args.anchor_bits, "--anchor-bits")
+    if args.planes is not None:
+        changes["planes"] = parse_planes_flag(args.planes, "--planes")
+    return changes
 
 
 def parse_floats(text: str, flag: str) -> tuple[float, ...]:
