@@ -12,6 +12,7 @@ milliseconds where a full reader takes seconds.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -62,18 +63,27 @@ def _value(f: BinaryIO, vtype: int) -> Any:
     raise ModelError(f"unknown GGUF value type {vtype}")
 
 
+def _counts(f: BinaryIO, path: Path) -> tuple[int, int]:
+    """Check a GGUF file's magic and version; its ``(tensors, keys)`` counts."""
+    if f.read(4) != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    if _read(f, "<I") not in (2, 3):
+        raise ModelError(f"{path}: unsupported GGUF version")
+    return _read(f, "<Q"), _read(f, "<Q")
+
+
+def _items(f: BinaryIO, n: int) -> Iterator[tuple[str, Any]]:
+    """The next ``n`` header entries as ``(key, value)`` (arrays as None)."""
+    for _ in range(n):
+        yield _string(f).decode("utf-8", "replace"), _value(f, _read(f, "<I"))
+
+
 def gguf_value(path: Path, key: str) -> Any:
     """The value of ``key`` in the GGUF header (arrays are not returned)."""
     try:
         with Path(path).open("rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ModelError(f"{path} is not a GGUF file")
-            if _read(f, "<I") not in (2, 3):
-                raise ModelError(f"{path}: unsupported GGUF version")
-            _tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
-            for _ in range(min(n_kv, _MAX_KEYS)):
-                name = _string(f).decode("utf-8", "replace")
-                value = _value(f, _read(f, "<I"))
+            _tensors, n_kv = _counts(f, path)
+            for name, value in _items(f, min(n_kv, _MAX_KEYS)):
                 if name == key:
                     return value
     except OSError as exc:
@@ -107,17 +117,11 @@ def gguf_expected_size(path: Path) -> int:
     sizes = _type_sizes()
     try:
         with Path(path).open("rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ModelError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
-            if _read(f, "<I") not in (2, 3):
-                raise ModelError(f"{path}: unsupported GGUF version")
-            n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+            n_tensors, n_kv = _counts(f, path)
             if n_kv > _MAX_KEYS or n_tensors > _MAX_TENSORS:
                 raise ModelError(f"{path}: corrupt GGUF header ({n_kv} keys, {n_tensors} tensors)")
             alignment = _DEFAULT_ALIGNMENT
-            for _ in range(n_kv):
-                name = _string(f).decode("utf-8", "replace")
-                value = _value(f, _read(f, "<I"))
+            for name, value in _items(f, n_kv):
                 if name == "general.alignment" and isinstance(value, int) and value > 0:
                     alignment = value
             end = 0
