@@ -395,21 +395,20 @@ def build_schemes(bits: Sequence[int], rules: Sequence[str],
         "int3": _direct(7),
         "int2": _direct(3),
     }
-    for b in bits:
-        for rule in rules:
-            fitted = None if tables is None else tables.get(b)
+    def add_rules(b: int, these: Sequence[str]) -> None:
+        fitted = None if tables is None else tables.get(b)
+        for rule in these:
             if rule in FITTED and fitted is None:
                 continue
             out[f"b{b}/{rule}"] = _anchor(b, rule, fitted if rule in FITTED else None)
+
+    for b in bits:
+        add_rules(b, rules)
         rounded = CodecConfig(scheme=Scheme.LYNX, bits=b, split=Split.ROUNDED)
         out[f"b{b}/rounded"] = _codec(rounded, True)
         out[f"b{b}/rounded-full"] = _codec(rounded, False)
     for b in extra_bits:
-        for rule in extra_rules:
-            fitted = None if tables is None else tables.get(b)
-            if rule in FITTED and fitted is None:
-                continue
-            out[f"b{b}/{rule}"] = _anchor(b, rule, fitted if rule in FITTED else None)
+        add_rules(b, extra_rules)
     return out
 
 
