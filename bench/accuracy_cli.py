@@ -128,15 +128,13 @@ def run(args: argparse.Namespace) -> int:
     bar = progress_bar(total_cases(config), disable=args.no_progress, unit="case")
 
     def on_case(label: str) -> None:
-        if bar is not None:
-            bar.set_postfix_str(label)
-            bar.update()
+        bar.set_postfix_str(label)
+        bar.update()
 
     try:
         rows = run_accuracy(model, config, corpus, on_case=on_case)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     command = shlex.join(["lynx", *sys.argv[1:]]) if sys.argv[0].endswith("lynx") else shlex.join(sys.argv)
     recorded = {"command": command, **config.to_json(), "model_id": model.info.model_id,
                 "corpus": corpus.source, "documents": {k: len(v) for k, v in corpus.documents.items()},

@@ -413,23 +413,20 @@ def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, co
     phases: list[dict[str, Any]] = []
     try:
         with _start(config, shape, logs) as nodes:
-            if bar is not None:
-                bar.set_postfix_str("warm-up (prefills)")
+            bar.set_postfix_str("warm-up (prefills)")
             recorded["warm_up"] = _warm_up(nodes, config, None, int8_bytes, bar)
             number = 0
             for load, rate in plan:
                 arrivals = poisson_arrivals(rate, config.requests, config.seed,
                                             decode_nodes=config.decode_nodes, prompts=config.prompts)
                 for scheme in config.schemes:
-                    if bar is not None:
-                        bar.set_postfix_str(f"{scheme} load {load:.2f} ({rate:.2f} req/s)")
+                    bar.set_postfix_str(f"{scheme} load {load:.2f} ({rate:.2f} req/s)")
                     got, info = _phase(nodes, config, number, scheme, load, rate, arrivals, per_request, bar)
                     rows += got
                     phases.append(info)
                     number += 1
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     recorded["finished_unix"] = time.time()
     return recorded, rows, phases
 

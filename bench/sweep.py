@@ -244,9 +244,7 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
                 model_id = ready["model_id"]
                 config.validate(max_context=int(ready["max_positions"]))
                 for job in jobs:
-                    if bar is not None:
-                        bar.set_postfix_str(f"{job.scheme} {job.bandwidth_gbps or 'ref'} Gbit/s "
-                                            f"ctx {job.context}")
+                    bar.set_postfix_str(f"{job.scheme} {job.bandwidth_gbps or 'ref'} Gbit/s ctx {job.context}")
                     worker.send(json.dumps(_request(config, job)))
                     out = json.loads(worker.expect("RESULT", RUN_TIMEOUT_S))
                     if "error" in out:
@@ -254,12 +252,10 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
                     results.append((job, out))
                     runs.write(json.dumps({"job": dataclasses.asdict(job), **out}) + "\n")
                     runs.flush()
-                    if bar is not None:
-                        bar.update()
+                    bar.update()
     finally:
         runs.close()
-        if bar is not None:
-            bar.close()
+        bar.close()
     rows = _rows(results, config.workload)
     recorded = {"command": command, **config.to_json(), "model_id": model_id,
                 "finished_unix": time.time()}
@@ -313,16 +309,14 @@ def _with_fidelity(config: SweepConfig, rows: list[Row], *, progress: bool) -> l
     bar = progress_bar(len(config.contexts) * config.prompts, disable=not progress, unit="prompt")
 
     def step(label: str) -> None:
-        if bar is not None:
-            bar.set_postfix_str(label)
-            bar.update()
+        bar.set_postfix_str(label)
+        bar.update()
 
     try:
         scores = fidelity_scores(model, load_corpus(model.tokenize), config.contexts, config.prompts, config.seed,
                                  schemes, TEXT_CONTINUATION, on_case=step)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return [dataclasses.replace(r, accuracy=scores[(r.scheme, r.context, r.prompt_id)]) for r in rows]
 
 

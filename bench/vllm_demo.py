@@ -93,7 +93,7 @@ def run(model_dir: Path, out: Path, *, tokens: int = 2048, new_tokens: int = 16,
     ids = _prompt(model_dir, tokens)
     warm = ids[:200]
     rows: dict[str, list[dict[str, Any]]] = {s: [] for s in (*SCHEMES, "no_transfer")}
-    bar = progress_bar(total=4 + repeats * (len(SCHEMES) + 1) + 3, disable=False, unit="step") or _NoBar()
+    bar = progress_bar(total=4 + repeats * (len(SCHEMES) + 1) + 3, disable=False, unit="step")
     try:
         bar.set_postfix_str("starting the producer and the consumer (vLLM, ~30-60 s each)")
         producer, consumer = _start(
@@ -157,19 +157,6 @@ def run(model_dir: Path, out: Path, *, tokens: int = 2048, new_tokens: int = 16,
     int8["equal_to_int8"] = True
     (out / "result.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-class _NoBar:
-    """Stands in for the progress bar without tqdm."""
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, text: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _start(*specs: dict[str, Any]) -> list[VllmNode]:
