@@ -173,18 +173,16 @@ class LynxConnector(KVConnectorBase_V1):
         for spec, load in self._active:
             if index == 0:
                 load.times.setdefault("forward_started_at", time.time())
-            if load.failed:  # failed earlier (its pull, an earlier layer): its blocks are reported
-                self._fail_blocks(spec)
+            if load.failed:  # its pull or an earlier layer failed: _finish_loads reports its blocks
                 continue
             try:
                 k, v = self._loader.layer(load, index)
                 paged.scatter(kv, spec.block_ids, spec.start, k[:, spec.start : spec.end], v[:, spec.start : spec.end])
                 load.tokens_loaded = spec.end - spec.start
             except LoadError:
-                self._fail_blocks(spec)
+                pass  # the load is marked failed
             except Exception as exc:  # noqa: BLE001 - any failure of a load fails that request, not the engine
                 self._loader.fail(load, LoadError(f"writing layer {index}: {type(exc).__name__}: {exc}"))
-                self._fail_blocks(spec)
         if index == len(self._layer_index) - 1:
             self._finish_loads()
 
@@ -193,6 +191,8 @@ class LynxConnector(KVConnectorBase_V1):
         self._load_errors.update(spec.block_ids[first : last + 1])
 
     def _finish_loads(self) -> None:
+        """End the step's loads (after the last layer, or in wait_for_save if the forward stopped short):
+        a load short of a layer fails, and every failed load's blocks go to vLLM."""
         assert self._loader is not None
         for spec, load in self._active:
             if not load.failed and load.layers_loaded < len(self._layer_index):
