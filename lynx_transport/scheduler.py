@@ -312,9 +312,15 @@ class PriorityScheduler:
         return None
 
     def wait_time(self) -> float | None:
-        """Seconds until shaping lets the next chunk go; ``None`` when shaping is not what blocks.
+        """Seconds until the next chunk may go: ``0.0`` when one may go now, the shaping
+        delay when shaping holds back every queued chunk, ``None`` when shaping is not
+        what blocks (the queue is empty, or the in-flight bound holds the next chunk:
+        wait for :meth:`complete`).
 
-        (``None``: the queue is empty, or the in-flight bound is reached.)
+        A chunk that :meth:`next_chunk` refused a moment ago may be ready by the time
+        this is asked (the bucket refilled in between): that is ``0.0``, never ``None``,
+        so a sender that sleeps until the returned deadline, or until a completion when
+        given ``None``, never sleeps past a ready chunk with nothing in flight.
         """
         best: float | None = None
         link = self.shaper.link_delay(0)
@@ -323,11 +329,16 @@ class PriorityScheduler:
             if not flows:
                 continue
             lane_delay = max(link, self.shaper.lane_delay(lane, 0))
+            ready_heads: list[int] = []
             for flow in flows:
                 delay = max(lane_delay, self._peer_delay(flow.peer, lane))
                 if delay <= 0:
-                    return None  # a chunk is ready: only the in-flight bound holds it
-                best = delay if best is None else min(best, delay)
+                    ready_heads.append(self._head_bytes(flow))
+                else:
+                    best = delay if best is None else min(best, delay)
+            if ready_heads:
+                # strict priority: this lane's chunk goes next, when it fits in flight
+                return 0.0 if self._inflight_allows(min(ready_heads)) else None
         return best
 
     def complete(self, chunk: Chunk) -> None:
