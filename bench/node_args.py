@@ -136,7 +136,8 @@ def transport_config(args: argparse.Namespace):
 _TIMEOUT_FLAGS = {
     "--connect-timeout": ("connect_s", "connecting to a peer: the TCP connect, then again the handshake"),
     "--handshake-timeout": ("handshake_s", "a connecting peer must finish its handshake within S"),
-    "--peer-timeout": ("peer_s", "a peer silent for S seconds is lost and its streams fail"),
+    "--peer-timeout": ("peer_s", "a peer with no sign of life for S seconds (default 30) is lost and its streams fail; "
+                                 "a dead peer's closed connection fails them at once"),
     "--stream-timeout": ("stream_s", "one request end to end: its stream opening, every region, "
                                      "the confirmation"),
     "--residual-timeout": ("residual_s", "once drafting started, wait at most S for the residual "

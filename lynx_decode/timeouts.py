@@ -24,8 +24,9 @@ class Timeouts:
         this time (``TransportConfig.handshake_timeout_s``).
     peer_s:
         Silence after which a peer counts as lost and its streams fail
-        (``TransportConfig.peer_timeout_s``; heartbeats go out at a third of it
-        at most). A crashed peer's closed socket is noticed at once.
+        (``TransportConfig.peer_timeout_s``, whose default it shares; heartbeats
+        go out at a third of it at most). A crashed peer's closed socket is
+        noticed at once, whatever this is.
     stream_s:
         One request end to end: the decode node waits this long for the stream
         to open, each region and the confirmation; the prefill node for a
@@ -37,7 +38,7 @@ class Timeouts:
 
     connect_s: float = 10.0
     handshake_s: float = 5.0
-    peer_s: float = 1.5
+    peer_s: float = TransportConfig.peer_timeout_s
     stream_s: float = 120.0
     residual_s: float | None = None
 

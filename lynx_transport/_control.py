@@ -1,14 +1,23 @@
 """A non-blocking, framed control socket (owned by an I/O thread), and the peer-liveness rule.
 
-Both sides keep a control connection alive the same way
-(:meth:`ControlSocket.keep_alive`): a heartbeat when this side has been silent
-for ``heartbeat_interval_s``, and the peer declared lost
-(``PeerDisconnectedError``) after ``peer_timeout_s`` without a byte from it.
+Both sides keep a control connection alive the same way: a heartbeat when this side
+has been silent for ``heartbeat_interval_s`` (sent by the loop's
+:class:`~lynx_transport._heartbeat.Heartbeats` thread, :meth:`ControlSocket.heartbeat_if_due`,
+and by the I/O thread itself in :meth:`ControlSocket.keep_alive`), and the peer declared
+lost (``PeerDisconnectedError``) after ``peer_timeout_s`` without a sign of life from it.
+A sign of life is any byte: a frame read, a byte still waiting unread in the socket
+(an I/O thread that was kept from running finds its peer's heartbeats there, not
+silence), or a data chunk the loop saw land from that peer (:meth:`ControlSocket.heard`).
+A closed or broken connection is not silence: it fails at once.
+
+The I/O thread owns the socket; the only other writer is the heartbeat thread, and
+every write goes through one lock, so frames never interleave.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
 
 from lynx_transport.errors import PeerDisconnectedError
 from lynx_transport.wire import Frame, FrameDecoder, FrameType, OversizedFrame, encode_frame
@@ -33,6 +42,7 @@ class ControlSocket:
         self.last_rx = now
         self.last_tx = now
         self.closed = False
+        self._lock = threading.Lock()  # the I/O thread's writes vs the heartbeat thread's
 
     def limit(self, max_payload: int) -> None:
         """Change the largest frame payload accepted from now on (small before authentication)."""
@@ -42,12 +52,35 @@ class ControlSocket:
         return self.sock.fileno()
 
     def send(self, ftype: FrameType, payload: bytes, now: float) -> None:
-        self._out += encode_frame(ftype, payload)
-        self.last_tx = now
-        self.flush()
+        with self._lock:
+            self._out += encode_frame(ftype, payload)
+            self.last_tx = now
+            self._flush()
+
+    def heartbeat_if_due(self, now: float, heartbeat_s: float) -> None:
+        """Send a HEARTBEAT if this side said nothing for ``heartbeat_s`` (any thread).
+
+        Never raises: a broken socket is left for the I/O thread to find."""
+        with self._lock:
+            if self.closed or now - self.last_tx < heartbeat_s:
+                return
+            self._out += encode_frame(FrameType.HEARTBEAT, b"")
+            self.last_tx = now
+            try:
+                self._flush()
+            except PeerDisconnectedError:
+                pass
+
+    def heard(self, now: float) -> None:
+        """The peer showed a sign of life other than a frame (a data chunk landed)."""
+        self.last_rx = max(self.last_rx, now)
 
     def flush(self) -> None:
         """Write what the kernel takes now; the rest waits for the next call."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         while self._out:
             try:
                 n = self.sock.send(self._out)
@@ -68,6 +101,8 @@ class ControlSocket:
         is due.
         """
         self.flush()
+        if now - self.last_rx > timeout_s and self._bytes_waiting():
+            self.last_rx = now  # the peer spoke; this thread had not read it yet
         if now - self.last_rx > timeout_s:
             raise PeerDisconnectedError(f"{who} {self.peer} silent for {now - self.last_rx:.2f} s "
                                         f"(limit {timeout_s} s)")
@@ -77,6 +112,19 @@ class ControlSocket:
                 self.send(FrameType.HEARTBEAT, b"", now)
             due = min(due, self.last_tx + heartbeat_s)
         return due
+
+    def _bytes_waiting(self) -> bool:
+        """Whether unread bytes wait in the socket (they are left there for :meth:`read`);
+        raises ``PeerDisconnectedError`` on EOF or a socket error."""
+        try:
+            data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise PeerDisconnectedError(f"control connection to {self.peer} broke: {exc}") from exc
+        if not data:
+            raise PeerDisconnectedError(f"peer {self.peer} closed the control connection")
+        return True
 
     @property
     def pending_output(self) -> bool:
@@ -96,10 +144,12 @@ class ControlSocket:
         return list(self._decoder.feed(data))
 
     def close(self) -> None:
-        if not self.closed:
+        with self._lock:
+            if self.closed:
+                return
             self.closed = True
             try:
-                self.flush()
+                self._flush()
             except PeerDisconnectedError:
                 pass
             self.sock.close()

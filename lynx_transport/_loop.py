@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lynx_transport._heartbeat import Heartbeats
 from lynx_transport._threads import renice_current_thread
 from lynx_transport._ucx import UcxWorker
 from lynx_transport.clock import Clock
@@ -66,8 +67,14 @@ class IoLoop:
 
     def __init__(self, name: str, tls: str, clock: Clock,
                  thread_init: Callable[[], None] | None = None, net_devices: str = "all",
-                 nice: int = 0, worker: UcxWorker | None = None) -> None:
+                 nice: int = 0, worker: UcxWorker | None = None,
+                 heartbeat_s: float | None = None) -> None:
         self.clock = clock
+        #: A loop with control sockets (``heartbeat_s`` given) heartbeats them from a
+        #: thread of its own (see :mod:`lynx_transport._heartbeat`); started and
+        #: stopped with the loop.
+        self.heartbeats = (None if heartbeat_s is None else
+                           Heartbeats(name.replace("-io", "") + "-heartbeat", clock, heartbeat_s))
         self._thread_init = thread_init
         self._nice = nice
         self.worker = worker if worker is not None else UcxWorker(tls, net_devices)
@@ -86,6 +93,8 @@ class IoLoop:
     # -- called from any thread ----------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        if self.heartbeats is not None:
+            self.heartbeats.start()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn()`` on the I/O thread; its result or exception lands in the future."""
@@ -243,6 +252,8 @@ class IoLoop:
             try:
                 self.shutdown()
             finally:
+                if self.heartbeats is not None:
+                    self.heartbeats.stop()
                 with self._calls_lock:
                     calls, self._calls = list(self._calls), collections.deque()
                 for fn, fut in calls:

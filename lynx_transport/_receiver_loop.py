@@ -87,7 +87,8 @@ class RxLoop(IoLoop):
         device = pool.device
         init = None if device is None else (lambda: _ucx.ensure_cuda_context(device))
         super().__init__("lynx-rx-io", config.ucx_tls, clock, init,
-                         net_devices=net_devices, nice=config.thread_nice)
+                         net_devices=net_devices, nice=config.thread_nice,
+                         heartbeat_s=config.heartbeat_interval_s)
         self.pool = pool
         self.config = config
         self.post = post
@@ -163,6 +164,8 @@ class RxLoop(IoLoop):
         except (KeyError, ValueError):
             pass
         self.conns.pop(conn.ctl.fileno(), None)
+        if self.heartbeats is not None:
+            self.heartbeats.discard(conn.ctl)
         conn.ctl.close()
 
     # -- frames ------------------------------------------------------------------------
@@ -220,6 +223,8 @@ class RxLoop(IoLoop):
 
     def welcome(self, conn: _Conn) -> None:
         conn.hello = True
+        if self.heartbeats is not None:
+            self.heartbeats.add(conn.ctl)
         conn.ctl.limit(self.max_payload)
         rate = self.requested_rate
         flags = WelcomeFlags.CHUNK_SUMS if self.config.verify_chunks else WelcomeFlags.NONE
@@ -453,6 +458,7 @@ class RxLoop(IoLoop):
                 for _, q in sorted(rx.pending.items()):  # lane priority: lane 0 first
                     for p in q.pop_completed():
                         progressed = True
+                        conn.ctl.heard(now)  # data from the peer: a sign of life
                         try:
                             _ucx.check(p.request, f"stream {rx.handle.stream_id}")
                         except TransportError as exc:

@@ -120,7 +120,8 @@ class SenderLoop(IoLoop):
 
     def __init__(self, config: TransportConfig, clock: Clock, worker: UcxWorker,
                  link: Rate | None = None, lanes: dict[int, Rate] | None = None) -> None:
-        super().__init__("lynx-tx-io", config.ucx_tls, clock, nice=config.thread_nice, worker=worker)
+        super().__init__("lynx-tx-io", config.ucx_tls, clock, nice=config.thread_nice, worker=worker,
+                         heartbeat_s=config.heartbeat_interval_s)
         self.heartbeat_s = config.heartbeat_interval_s
         self.peer_timeout_s = config.peer_timeout_s
         self.shaper = Shaper(clock, link, lanes)
@@ -148,6 +149,8 @@ class SenderLoop(IoLoop):
                     (host, port), shaper, chunk_sums)
         self.peers[peer.key] = peer
         self.sched.add_peer(peer.key, shaper)
+        assert self.heartbeats is not None  # made with heartbeat_s
+        self.heartbeats.add(peer.ctl)
         self.selector.register(sock, selectors.EVENT_READ, lambda _sock: self.on_readable(peer))
         return peer
 
@@ -186,6 +189,8 @@ class SenderLoop(IoLoop):
             self.selector.unregister(peer.ctl.sock)
         except (KeyError, ValueError):
             pass
+        if self.heartbeats is not None:
+            self.heartbeats.discard(peer.ctl)
         peer.ctl.close()
 
     def on_readable(self, peer: Peer) -> None:

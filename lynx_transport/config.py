@@ -37,9 +37,15 @@ class TransportConfig:
         it for tighter anchor latency on slow unshaped links (32 MiB is 27 ms at
         10 Gbit/s); a shaped link holds it to the shaper's burst anyway.
     heartbeat_interval_s / peer_timeout_s:
-        Each side sends a heartbeat when it has been silent this long, and
-        declares the peer lost (``PeerDisconnectedError``) after hearing nothing
-        for ``peer_timeout_s``. A crashed peer's closed socket is noticed at once.
+        Each side sends a heartbeat when it has been silent for
+        ``heartbeat_interval_s``, from a thread that does nothing else, and
+        declares the peer lost (``PeerDisconnectedError``) after no sign of life
+        from it (a frame, a byte waiting in the control socket, a data chunk
+        landing) for ``peer_timeout_s``. That limit only catches a hung peer or
+        a partitioned link; a peer whose process died is noticed at once, by its
+        closed connection or a UCX endpoint error, whatever the limit. The
+        default of 30 s is far above what a busy but healthy process goes quiet
+        for (a CPU-starved node on a loaded host).
     ucx_tls:
         UCX transports (``UCX_TLS`` syntax), given to the UCX context (never
         written to the environment). The default is everything except UCX's
@@ -124,7 +130,7 @@ class TransportConfig:
     chunk_bytes: int = 1 << 20
     max_inflight_bytes: int = 32 << 20
     heartbeat_interval_s: float = 0.25
-    peer_timeout_s: float = 1.5
+    peer_timeout_s: float = 30.0
     ucx_tls: str = "^posix,sysv"
     ucx_net_devices: str | None = None
     link_rate: Rate | None = None

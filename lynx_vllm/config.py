@@ -17,7 +17,8 @@ Keys (all optional except ``port`` on a producer):
     unshaped).
 ``timeout_s`` / ``peer_timeout_s`` / ``connect_timeout_s``
     A load's end-to-end bound (header, every layer), the silence after which a
-    peer counts as dead, and a connect's bound (:class:`~lynx_decode.timeouts.Timeouts`).
+    peer counts as hung (default 30 s; a producer that died is noticed at once by
+    its closed connection), and a connect's bound (:class:`~lynx_decode.timeouts.Timeouts`).
 ``max_prefills``
     Prefills the producer holds for consumers to pull (oldest dropped first).
 ``stats_path``
@@ -81,7 +82,7 @@ class ConnectorConfig:
     planes: tuple[int, ...] = (4, 4)
     bandwidth_gbps: float | None = None
     timeout_s: float = 30.0
-    peer_timeout_s: float = 1.5
+    peer_timeout_s: float = Timeouts.peer_s
     connect_timeout_s: float = 5.0
     max_prefills: int = 16
     stats_path: str | None = None
@@ -110,7 +111,7 @@ class ConnectorConfig:
             planes=_planes(extra.get("planes", (4, 4))),
             bandwidth_gbps=None if rate is None else _positive("bandwidth_gbps", rate),
             timeout_s=_positive("timeout_s", extra.get("timeout_s", 30.0)),
-            peer_timeout_s=_positive("peer_timeout_s", extra.get("peer_timeout_s", 1.5)),
+            peer_timeout_s=_positive("peer_timeout_s", extra.get("peer_timeout_s", Timeouts.peer_s)),
             connect_timeout_s=_positive("connect_timeout_s", extra.get("connect_timeout_s", 5.0)),
             max_prefills=max_prefills,
             stats_path=None if extra.get("stats_path") is None else str(extra["stats_path"]),

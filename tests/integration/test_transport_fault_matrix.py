@@ -24,7 +24,9 @@ from lynx_transport.testing import PeerProcess, pattern, sender_server, wait_unt
 
 pytestmark = pytest.mark.ucx
 
-CONFIG = TransportConfig(chunk_bytes=64 * 1024, max_inflight_bytes=256 * 1024)
+# a short silence limit, so that a SIGSTOPped peer counts as hung within the bound (the
+# default, 30 s, is for busy hosts; a killed or closed peer fails at once whatever it is)
+CONFIG = TransportConfig(chunk_bytes=64 * 1024, max_inflight_bytes=256 * 1024, peer_timeout_s=1.5)
 BOUND_S = 2.0  # the bound; CONFIG.peer_timeout_s is 1.5 s
 ANCHOR = 4 << 20
 RESIDUAL = 8 << 20

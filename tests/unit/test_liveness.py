@@ -1,15 +1,19 @@
 """The control channel's shared rules, without UCX: peer liveness (``ControlSocket.keep_alive``,
-used by both the sender's and the receiver's I/O loops) and the receiver's handshake steps."""
+used by both the sender's and the receiver's I/O loops, and the heartbeat thread,
+``lynx_transport._heartbeat``) and the receiver's handshake steps."""
 
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from lynx_transport import _auth
 from lynx_transport._control import ControlSocket
+from lynx_transport._heartbeat import Heartbeats
+from lynx_transport.clock import MonotonicClock
 from lynx_transport.errors import PeerDisconnectedError, ProtocolError
 from lynx_transport.wire import (
     NONCE_BYTES,
@@ -76,6 +80,60 @@ def test_no_heartbeat_before_the_handshake_but_the_silence_still_counts(pair) ->
     assert frames(peer, expect=False) == []
     with pytest.raises(PeerDisconnectedError, match="peer .* silent"):
         ctl.keep_alive(1.6, 0.25, 1.5, heartbeat=False)
+
+
+def test_a_byte_waiting_unread_is_a_sign_of_life(pair) -> None:
+    """An I/O thread kept from running (a busy host) finds its peer's heartbeats waiting in
+    the socket: that is life, not silence; the bytes stay there for ``read``."""
+    ctl, peer = pair
+    peer.sendall(b"x")
+    ctl.keep_alive(5.0, 0.25, 1.5)  # no PeerDisconnectedError
+    assert ctl.last_rx == 5.0
+    assert ctl.sock.recv(1 << 16, socket.MSG_PEEK) == b"x"
+
+
+def test_a_closed_socket_is_not_silence_but_a_disconnect(pair) -> None:
+    ctl, peer = pair
+    peer.close()
+    with pytest.raises(PeerDisconnectedError, match="closed the control connection"):
+        ctl.keep_alive(5.0, 0.25, 1.5)
+
+
+def test_a_data_chunk_from_the_peer_is_a_sign_of_life(pair) -> None:
+    ctl, _ = pair
+    ctl.heard(1.2)
+    ctl.keep_alive(2.6, 0.25, 1.5)
+    with pytest.raises(PeerDisconnectedError, match="silent for 1.60 s"):
+        ctl.keep_alive(2.8, 0.25, 1.5)
+
+
+def test_heartbeat_if_due_sends_only_when_due_and_never_raises(pair) -> None:
+    ctl, peer = pair
+    ctl.heartbeat_if_due(0.1, 0.25)
+    assert frames(peer, expect=False) == []
+    ctl.heartbeat_if_due(0.3, 0.25)
+    assert frames(peer, expect=True) == [FrameType.HEARTBEAT]
+    assert ctl.last_tx == 0.3
+    ctl.close()
+    ctl.heartbeat_if_due(9.0, 0.25)  # a closed socket: nothing, no error
+
+
+def test_the_heartbeat_thread_speaks_while_the_owner_does_nothing(pair) -> None:
+    """Registered sockets get heartbeats from the thread alone; stop() ends it."""
+    ctl, peer = pair
+    beats = Heartbeats("lynx-test-heartbeat", MonotonicClock(), 0.05)
+    ctl.last_tx = MonotonicClock().now()
+    beats.add(ctl)
+    beats.start()
+    try:
+        got: list[FrameType] = []
+        while len(got) < 3:  # the peer's socket timeout (1 s) bounds each wait
+            got += frames(peer, expect=True)
+        assert set(got) == {FrameType.HEARTBEAT}
+    finally:
+        beats.stop()
+    assert "lynx-test-heartbeat" not in [t.name for t in threading.enumerate()]
+    beats.discard(ctl)
 
 
 def hello(flags: HelloFlags, nonce: bytes = b"n" * NONCE_BYTES) -> Frame:
