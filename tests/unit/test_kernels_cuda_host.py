@@ -3,7 +3,7 @@ through the CuPy backend's own launch code, produce the NumPy reference's bytes.
 
 There is no GPU on most CI machines; this checks everything in ``codec.cu`` but
 the launch itself (bit packing, parameter indexing, rounding) and the argument
-order of :class:`lynx_decode.codec.gpu.CupyOps`. The real-device comparison is
+order of :class:`lynx_decode.codec.backends.CupyOps`. The real-device comparison is
 ``tests/integration/test_codec_gpu.py`` (marked ``gpu``).
 """
 
@@ -19,9 +19,8 @@ import pytest
 from hypothesis import given, settings
 
 from lynx_decode.codec.api import _decode_with, _encode_with
-from lynx_decode.codec.backends import ReferenceOps
+from lynx_decode.codec.backends import CupyOps, ReferenceOps
 from lynx_decode.codec.config import Scheme
-from lynx_decode.codec.gpu import CupyOps
 from lynx_decode.codec.inputs import as_byte_buffer, as_tensor
 from lynx_kernels import cuda
 from tests.unit._codec_cases import cases

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from lynx_decode.codec.backends import ReferenceOps
+from lynx_decode.codec.backends.base import ReferenceOps
 from lynx_transport.errors import BackendError
 
 __all__ = ["CupyOps", "cupy_ops"]
