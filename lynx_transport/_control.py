@@ -90,15 +90,14 @@ class ControlSocket:
                 raise PeerDisconnectedError(f"control connection to {self.peer} broke: {exc}") from exc
             del self._out[:n]
 
-    def keep_alive(self, now: float, heartbeat_s: float, timeout_s: float, who: str = "peer",
-                   heartbeat: bool = True) -> float:
+    def keep_alive(self, now: float, heartbeat_s: float, timeout_s: float, who: str = "peer") -> float:
         """Flush, check the peer is alive, send a heartbeat when one is due.
 
         Raises ``PeerDisconnectedError`` when nothing arrived for ``timeout_s``
         (``who`` names the peer in the message) or the socket broke; sends a
-        HEARTBEAT when this side said nothing for ``heartbeat_s`` (unless
-        ``heartbeat`` is false: not yet welcomed). Returns when the next check
-        is due.
+        HEARTBEAT when this side said nothing for ``heartbeat_s``. Returns when
+        the next check is due. (A receiver's connection still in its handshake
+        is bound by ``handshake_timeout_s`` instead, and sends nothing.)
         """
         self.flush()
         if now - self.last_rx > timeout_s and self._bytes_waiting():
@@ -106,12 +105,9 @@ class ControlSocket:
         if now - self.last_rx > timeout_s:
             raise PeerDisconnectedError(f"{who} {self.peer} silent for {now - self.last_rx:.2f} s "
                                         f"(limit {timeout_s} s)")
-        due = self.last_rx + timeout_s
-        if heartbeat:
-            if now - self.last_tx >= heartbeat_s:
-                self.send(FrameType.HEARTBEAT, b"", now)
-            due = min(due, self.last_tx + heartbeat_s)
-        return due
+        if now - self.last_tx >= heartbeat_s:
+            self.send(FrameType.HEARTBEAT, b"", now)
+        return min(self.last_rx + timeout_s, self.last_tx + heartbeat_s)
 
     def _bytes_waiting(self) -> bool:
         """Whether unread bytes wait in the socket (they are left there for :meth:`read`);

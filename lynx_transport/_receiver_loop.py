@@ -482,17 +482,20 @@ class RxLoop(IoLoop):
         deadline = now + cfg.heartbeat_interval_s
         for conn in list(self.conns.values()):
             try:
-                if not conn.hello and now - conn.accepted_at > cfg.handshake_timeout_s:
-                    raise ConnectError(f"peer {conn.ctl.peer} did not finish the handshake "
-                                       f"within {cfg.handshake_timeout_s} s")
-                due = conn.ctl.keep_alive(now, cfg.heartbeat_interval_s, cfg.peer_timeout_s,
-                                          heartbeat=conn.hello)
+                if conn.hello:
+                    due = conn.ctl.keep_alive(now, cfg.heartbeat_interval_s, cfg.peer_timeout_s)
+                else:
+                    # in the handshake: bound by handshake_timeout_s, not by the silence limit (a
+                    # sender starting UCX on a busy host may take a while to say HELLO)
+                    if now - conn.accepted_at > cfg.handshake_timeout_s:
+                        raise ConnectError(f"peer {conn.ctl.peer} did not finish the handshake "
+                                           f"within {cfg.handshake_timeout_s} s")
+                    conn.ctl.flush()
+                    due = conn.accepted_at + cfg.handshake_timeout_s
             except TransportError as exc:
                 self.drop_conn(conn, exc)
                 continue
             deadline = min(deadline, due)
-            if not conn.hello:
-                deadline = min(deadline, conn.accepted_at + cfg.handshake_timeout_s)
         held = self.quarantine.sweep(now)
         if held is not None:
             deadline = min(deadline, held)

@@ -74,14 +74,6 @@ def test_silence_past_the_timeout_loses_the_peer(pair) -> None:
         ctl.keep_alive(2.6, 0.25, 1.5, "receiver")
 
 
-def test_no_heartbeat_before_the_handshake_but_the_silence_still_counts(pair) -> None:
-    ctl, peer = pair
-    assert ctl.keep_alive(1.0, 0.25, 1.5, heartbeat=False) == pytest.approx(1.5)
-    assert frames(peer, expect=False) == []
-    with pytest.raises(PeerDisconnectedError, match="peer .* silent"):
-        ctl.keep_alive(1.6, 0.25, 1.5, heartbeat=False)
-
-
 def test_a_byte_waiting_unread_is_a_sign_of_life(pair) -> None:
     """An I/O thread kept from running (a busy host) finds its peer's heartbeats waiting in
     the socket: that is life, not silence; the bytes stay there for ``read``."""
