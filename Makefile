@@ -18,7 +18,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.lynx-installed
 
-.PHONY: install test lint demo bench headline soak check-kernels clean vllm-env vllm-demo
+.PHONY: install test test-timing lint demo bench headline soak check-kernels clean vllm-env vllm-demo
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ vllm-demo: $(STAMP) $(VLLM_STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The wall-clock checks (marked `timing`, out of the default run): rates, latencies, a fast start.
+# The summary lists each measured value with its bound, passed or failed. .ci/run runs it apart.
+test-timing: $(STAMP)
+	$(BIN)/python -m pytest -m timing -p no:randomly -rA tests
 
 # ruff and mypy, configured in pyproject.toml
 lint: $(STAMP)

@@ -3,6 +3,9 @@
 GPU tests are skipped by a capability probe at collection time (never by catching
 failures); the probe's reason is shown in the summary (`-ra`). netns tests need
 root and iproute2; they are skipped with the reason when either is missing.
+
+Wall-clock checks live in tests marked ``timing`` and go through the ``timing``
+fixture (:mod:`tests.timing`); the summary lists every measurement with its bound.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import shutil
 import pytest
 
 from lynx_bench.cli import MKL_REPRODUCIBLE
+from tests.timing import RECORDS, Timing
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # As the `lynx` CLI does before torch loads (see lynx_bench.cli.MKL_REPRODUCIBLE): the
     # tests check bit-equal logits across torch thread counts, which MKL guarantees only so.
     os.environ.setdefault(*MKL_REPRODUCIBLE)
+    config.stash[RECORDS] = []
 
 
 @functools.cache
@@ -66,3 +71,21 @@ def transport(request: pytest.FixtureRequest):
     from lynx_transport.seam import UCX
 
     return UCX
+
+
+@pytest.fixture
+def timing(request: pytest.FixtureRequest) -> Timing:
+    """Wall-clock checks for a test marked ``timing`` (only there: everywhere else a
+    test asserts causes, not durations). Each check is listed in the summary."""
+    if request.node.get_closest_marker("timing") is None:
+        pytest.fail(f"{request.node.nodeid} checks wall-clock bounds: mark it @pytest.mark.timing "
+                    "(see tests/timing.py)", pytrace=False)
+    return Timing(request.node.nodeid, request.config.stash[RECORDS])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    records = config.stash.get(RECORDS, [])
+    if records:
+        terminalreporter.section("timing: measured values and their bounds")
+        for record in records:
+            terminalreporter.line(record.line())

@@ -164,7 +164,9 @@ def test_a_cache_from_another_model_is_refused_at_once(variant: str, reason: str
         start = time.monotonic()
         with pytest.raises(DecodeError, match=reason) as refused:
             node.run(server, ids, scheme=Scheme.LYNX, max_new_tokens=NEW_TOKENS)
-        assert time.monotonic() - start < 2.0
+        # refused for its reason (the message), not timed out: a generous bound, a third of the
+        # 60 s stream timeout (it takes well under a second)
+        assert time.monotonic() - start < 20.0
     message = str(refused.value)
     assert models["llama"].info.model_id in message and foreign.info.model_id in message  # both named
     # the prefill node keeps serving: the right model decodes from it at once

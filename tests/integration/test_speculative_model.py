@@ -133,11 +133,13 @@ def test_residual_landing_from_a_transport_thread_stops_drafting(model: HFCausal
     draft: cf.Future[KVBuffers] = cf.Future()
     two_drafts = threading.Event()
     full_kv, draft_kv = copy_kv(prefill.kv), copy_kv(prefill.kv)
+    landed_after: list[int] = []  # drafts out when the full cache landed
 
     def transport() -> None:  # what the decode node's callbacks do, in order
         draft.set_result(draft_kv)
         two_drafts.wait(60)
         full.set_result(full_kv)
+        landed_after.append(sum(isinstance(e, Tentative) for e in list(seen)))
 
     seen: list[Event] = []
 
@@ -153,8 +155,9 @@ def test_residual_landing_from_a_transport_thread_stops_drafting(model: HFCausal
                       on_event=on_event)
     thread.join()
     assert result.tokens == expected
-    # landed after the 2nd draft; at most one more draft step was in flight
-    assert 2 <= result.metrics.drafted <= 3
+    # landed after the 2nd draft; at most the draft step then in flight followed (how many
+    # drafts came out before the transport thread ran again depends on the machine's load)
+    assert landed_after[0] >= 2 and 2 <= result.metrics.drafted <= landed_after[0] + 1, landed_after
     assert result.metrics.ttft_s <= result.metrics.ttfct_s <= result.metrics.e2e_s
 
 

@@ -60,9 +60,14 @@ def test_tiny_sweep_writes_fixed_columns_and_plots(tmp_path: Path) -> None:
     for run in recorded:
         assert run["ttft_s"] == next(r["ttft_s"] for r in rows if r["scheme"] == run["scheme"]
                                      and r["bandwidth_gbps"] == run["job"]["bandwidth_gbps"])
-        assert run["transfer_anchor_s"] <= run["ttft_s"]
+        # the first token needs every anchor region (by design; the lane's completion is stamped
+        # by a callback after its last region's, so it can come a moment after the token)
+        assert max(run["arrivals_s"][0]) <= run["ttft_s"]
         if run["scheme"] == "lynx":
-            assert run["draft_ready_s"] <= run["first_tentative_s"]
+            # the draft cache is ready once its last anchor region landed and was decoded (the
+            # engine waits per layer, so its first token may come a moment before that stamp)
+            assert max(run["arrivals_s"][0]) <= run["draft_ready_s"]
+            assert max(run["arrivals_s"][0]) <= run["first_tentative_s"]
             assert run["planes"] == [4, 4]
 
 

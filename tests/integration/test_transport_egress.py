@@ -1,8 +1,9 @@
 """One Egress, two receivers ("decode nodes") in child processes, real UCX.
 
 The egress (this process) shapes the node's link as a whole; an anchor for one
-receiver overtakes a residual saturating the link for the other, within the
-issue's bound: ``1.1 x (anchor bytes / rate) + one in-flight window``. A
+receiver overtakes a residual saturating the link for the other (within the
+issue's bound, ``1.1 x (anchor bytes / rate) + one in-flight window``: a timing
+check, marked ``timing``). A
 receiver that dies, closes or goes silent mid-transfer fails only its own
 streams: the other receiver's complete, byte-exact, and the egress forgets the
 dead peer (``Egress.peers``) and keeps serving.
@@ -77,8 +78,10 @@ def egress() -> Iterator[Egress]:
         eg.close()
 
 
-def test_an_anchor_for_one_receiver_overtakes_a_residual_saturating_the_link_for_another(
-        receivers, egress) -> None:
+def _overtaking(receivers, egress) -> tuple[float, float]:
+    """A's anchor, then A's residual saturating the shaped link, then B's anchor to the other
+    receiver; checks what landed and what the egress counted; (B's anchor latency from issue
+    to LANE_DONE, the issue's bound on it)."""
     rx_a, rx_b, addr_a, addr_b = receivers
     egress.set_link_rate(RATE)
     a = egress.connect(addr_a, timeout=10)
@@ -95,23 +98,33 @@ def test_an_anchor_for_one_receiver_overtakes_a_residual_saturating_the_link_for
     sb.wait_lane(Lane.ANCHOR, 10)
     latency = sb.lane_completed_at[Lane.ANCHOR] - sb.opened_at
     bound = 1.1 * anchor_b / bytes_per_s(GBPS) + CONFIG.max_inflight_bytes / bytes_per_s(GBPS)
-    print(f"\nB's anchor: {latency * 1e3:.1f} ms from issue to LANE_DONE, "
-          f"{(sb.started_at - sb.opened_at) * 1e3:.1f} ms of it to the first chunk "
-          f"(ideal {anchor_b / bytes_per_s(GBPS) * 1e3:.1f} ms, bound {bound * 1e3:.1f} ms)")
-    assert latency <= bound, (latency, bound)
     sa.wait(30)  # A's residual still completes
     sb.wait(10)
     assert sa.state is sb.state is StreamState.COMPLETED
+    # B's anchor overtook: it completed while A's residual was still on the link
+    assert sa.completed_at is not None and sb.lane_completed_at[Lane.ANCHOR] < sa.completed_at
     assert rx_a.call("next", 10) == {"anc": head(1, anchor_a), "res": head(2, residual_a)}
     assert rx_b.call("next", 10) == {"anc": head(3, anchor_b)}
-    # the link is one for both peers: everything took about total bytes / rate
+    # the link is one for both peers: everything took at least total bytes / rate
     total = (anchor_a + residual_a + anchor_b) / bytes_per_s(GBPS)
-    assert sa.completed_at is not None and sa.started_at is not None
+    assert sa.started_at is not None
     assert sa.completed_at - sa.started_at >= 0.9 * total
     stats = egress.stats()
     assert stats.completed_streams == 2 and stats.active_streams == 0
     assert stats.lane(Lane.ANCHOR).bytes == anchor_a + anchor_b
     assert a.stats().lane(Lane.ANCHOR).bytes == anchor_a and b.stats().lane(Lane.RESIDUAL).bytes == 0
+    return latency, bound
+
+
+def test_an_anchor_for_one_receiver_overtakes_a_residual_saturating_the_link_for_another(
+        receivers, egress) -> None:
+    _overtaking(receivers, egress)
+
+
+@pytest.mark.timing
+def test_an_anchor_overtaking_a_saturating_residual_is_done_within_the_bound(receivers, egress, timing) -> None:
+    latency, bound = _overtaking(receivers, egress)
+    timing.at_most("B's anchor behind A's saturating residual, issue to LANE_DONE", latency, bound)
 
 
 def _kill(peer: PeerProcess) -> None:
@@ -153,7 +166,7 @@ def test_a_dead_receiver_fails_only_its_own_streams_and_its_state_is_freed(
     if fault == "silent":
         rx_a.kill()  # declared dead by the egress; now really
     with pytest.raises(PeerDisconnectedError):
-        sa2.wait(1)
+        sa2.wait(10)  # failed with its connection (the error says so, not a timeout)
     assert isinstance(a.broken, PeerDisconnectedError)
     assert egress.peers() == [addr_b]  # the dead peer is gone from the table ...
     assert a.stats().lane(Lane.RESIDUAL).queued_bytes == 0  # ... and from the scheduler

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import struct
 import subprocess
@@ -39,9 +40,10 @@ def free_port() -> int:
 
 def test_connect_to_a_port_where_nobody_listens_fails_fast() -> None:
     start = time.monotonic()
-    with pytest.raises(ConnectError, match="cannot connect"):
-        connect(("127.0.0.1", free_port()), timeout=2.0)
-    assert time.monotonic() - start < 2.0
+    with pytest.raises(ConnectError, match="cannot connect") as refused:
+        connect(("127.0.0.1", free_port()), timeout=30.0)
+    assert isinstance(refused.value.__cause__, ConnectionRefusedError)  # refused, not timed out
+    assert time.monotonic() - start < 10.0  # a generous bound, well inside the 30 s allowed
 
 
 def test_connect_to_a_silent_listener_fails_within_the_timeout() -> None:
@@ -51,7 +53,9 @@ def test_connect_to_a_silent_listener_fails_within_the_timeout() -> None:
         start = time.monotonic()
         with pytest.raises(ConnectError, match="handshake"):
             connect(silent.getsockname(), timeout=0.5)
-        assert 0.4 < time.monotonic() - start < 1.5
+        # not before the timeout (it waited for a WELCOME); and not much after it (a generous
+        # bound: 10x the timeout)
+        assert 0.4 < time.monotonic() - start < 5.0
 
 
 def start_receiver(pool: ReceivePool, config: TransportConfig = CONFIG, **callbacks) -> Receiver:
@@ -68,10 +72,15 @@ def spawn_sender(rx: Receiver, config: TransportConfig = CONFIG) -> PeerProcess:
 # tests/integration/test_transport_fault_matrix.py
 
 
-def test_receiver_killed_mid_stream_fails_the_senders_stream_within_two_seconds() -> None:
-    with PeerProcess(receiver_server, 128 << 20, CONFIG) as peer:
+#: Heartbeats that would take a minute to declare the killed receiver dead: what fails the
+#: stream below is its closed connection, not the peer timeout.
+PATIENT = dataclasses.replace(CONFIG, peer_timeout_s=60.0)
+
+
+def test_receiver_killed_mid_stream_fails_the_senders_stream_at_once() -> None:
+    with PeerProcess(receiver_server, 128 << 20, PATIENT) as peer:
         address = peer.reply(60)
-        with connect(tuple(address), timeout=10, config=CONFIG) as conn:
+        with connect(tuple(address), timeout=10, config=PATIENT) as conn:
             conn.set_link_rate(Rate(0.5, 64 * 1024))
             data = np.full(64 << 20, 3, np.uint8)
             stream = conn.send_stream([("big", data, Lane.RESIDUAL)])
@@ -81,9 +90,10 @@ def test_receiver_killed_mid_stream_fails_the_senders_stream_within_two_seconds(
             assert stream.state is StreamState.ACTIVE
             killed = time.monotonic()
             peer.kill()
-            with pytest.raises(PeerDisconnectedError):
-                stream.wait(timeout=5)
-            assert time.monotonic() - killed < 2.0
+            with pytest.raises(PeerDisconnectedError) as lost:
+                stream.wait(timeout=30)
+            assert "silent" not in str(lost.value)  # noticed by the closed connection ...
+            assert time.monotonic() - killed < 10.0  # ... long before the 60 s peer timeout
             assert stream.state is StreamState.FAILED
             assert conn.broken is not None
 

@@ -23,7 +23,9 @@ from lynx_transport.wire import FrameType, pack_chunk_sum, unpack_stream_token, 
 pytestmark = pytest.mark.ucx
 
 CHUNK = 4096
-CONFIG = TransportConfig(chunk_bytes=CHUNK, max_inflight_bytes=64 * 1024, verify_chunks=True)
+# the raw peer sends no heartbeats: a silence limit far beyond any wait below
+CONFIG = TransportConfig(chunk_bytes=CHUNK, max_inflight_bytes=64 * 1024, verify_chunks=True,
+                         peer_timeout_s=60.0)
 
 
 def open_stream(raw: RawPeer, sid: int, nbytes: int) -> int:
@@ -44,7 +46,7 @@ class Outcome:
         return self.error
 
 
-def run_case(chunks, sums, nbytes: int = 2 * CHUNK) -> Outcome:
+def run_case(chunks, sums, nbytes: int = 2 * CHUNK, settle: float = 30.0) -> Outcome:
     """Open one 2-chunk stream, send ``chunks`` [(index, bytes)] and ``sums`` [(index, n, crc)].
 
     Returns the receiver's stream (ended or not) and the pool, whose bytes outside
@@ -64,7 +66,9 @@ def run_case(chunks, sums, nbytes: int = 2 * CHUNK) -> Outcome:
                 for index, payload in chunks:
                     data.send((token << 32) | index, payload)
                 try:
-                    stream.wait(1.0)  # < peer_timeout_s: the raw peer sends no heartbeats
+                    # until the stream ends (completed or failed), at most ``settle`` s; the
+                    # raw peer sends no heartbeats, CONFIG.peer_timeout_s is well beyond that
+                    stream.wait(settle)
                 except Exception:
                     pass
             region = stream.regions[0]
@@ -139,7 +143,7 @@ def test_a_checksum_for_a_chunk_past_the_manifest_fails_the_stream() -> None:
 
 
 def test_chunks_without_checksums_never_complete() -> None:
-    stream = run_case(list(enumerate(full())), [])
+    stream = run_case(list(enumerate(full())), [], settle=1.0)  # a second to complete wrongly
     assert stream.state is StreamState.ACTIVE, stream.exception()
 
 
@@ -155,7 +159,7 @@ def test_a_checksum_repeated_after_completion_breaks_the_connection() -> None:
         with RawDataPath(address) as data:
             for index, payload in enumerate(parts):
                 data.send((token << 32) | index, payload)
-            stream.wait(1.0)
+            stream.wait(30)
         raw.expect(FrameType.STREAM_DONE)
         raw.send(FrameType.CHUNK_SUM, pack_chunk_sum(1, 0, CHUNK, 0))
         assert FrameType.STREAM_DONE not in [f.type for f in raw.drain_until_closed()]

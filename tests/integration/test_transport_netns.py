@@ -4,8 +4,9 @@ The receiver runs in the ``rx`` namespace, the sender in ``tx`` (UCX over tcp
 on the veth, pinned through ``TransportConfig.ucx_tls``/``ucx_net_devices``,
 which override ``UCX_TLS``/``UCX_NET_DEVICES``). Once data flows, the veth is
 set down: no FIN, no RST, just silence. The receiver must report the stream
-failed within the bound (heartbeats: ``peer_timeout_s`` set to 1.5 s here, the default being
-30 s for busy hosts; bound 2 s).
+failed by its heartbeats (``peer_timeout_s`` set to 1.5 s here, the default being
+30 s for busy hosts); that it does so within the bound (2 s) is a timing check
+(marked ``timing``), the default run allows ten times that.
 Children report on stdout as JSON lines; their stderr (tracebacks) is attached
 to any failure. The namespaces are always removed.
 """
@@ -107,7 +108,9 @@ def link():
         yield lk
 
 
-def test_veth_down_mid_transfer_is_detected_within_the_bound(link) -> None:
+def _veth_down_mid_transfer(link) -> tuple[dict, float]:
+    """A transfer from tx to rx, the veth set down once data flows; the receiver's "failed"
+    event and the seconds from the link going down to it."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     rx_host = link.address("rx")
     children: list[subprocess.Popen] = []
@@ -126,17 +129,27 @@ def test_veth_down_mid_transfer_is_detected_within_the_bound(link) -> None:
         down = time.monotonic()
         subprocess.run(["ip", "netns", "exec", link.namespace("tx"), "ip", "link", "set",
                         link.device("tx"), "down"], check=True)
-        failed = read_event(receiver, "failed", 10)
-        took = failed["t"] - down
+        failed = read_event(receiver, "failed", 10 * BOUND_S)
         assert failed["error"] == "PeerDisconnectedError", failed
-        assert took < BOUND_S, f"the receiver noticed the dead link after {took:.2f} s: {failed}"
-        assert "silent" in failed["message"]
+        assert "silent" in failed["message"], failed  # by its heartbeats: nothing else reaches it
         out, err = sender.communicate(timeout=30)
         results = [json.loads(x) for x in out.splitlines() if x.startswith(b"{")]
         assert results and results[-1]["state"] == "failed", err
         receiver.communicate(timeout=30)
+        return failed, failed["t"] - down
     finally:
         for child in children:
             if child.poll() is None:
                 child.kill()
             child.communicate()
+
+
+def test_veth_down_mid_transfer_is_detected_by_the_heartbeats(link) -> None:
+    failed, took = _veth_down_mid_transfer(link)
+    assert took < 10 * BOUND_S, f"the receiver noticed the dead link after {took:.2f} s: {failed}"
+
+
+@pytest.mark.timing
+def test_veth_down_mid_transfer_is_detected_within_the_bound(link, timing) -> None:
+    _, took = _veth_down_mid_transfer(link)
+    timing.less_than("from the veth going down to the receiver's failure", took, BOUND_S)

@@ -1,12 +1,17 @@
 """Priority and shaping on a real two-process link, shaped by the sender's token buckets.
 
-Rates are low enough (0.5-4 Gbit/s) and transfers long enough (~1.2 s) that
-scheduling noise on a busy 2-core machine stays well inside the tolerances.
 Buckets get a burst of a few chunks, so a sender descheduled for a few
 milliseconds catches up instead of losing rate; Lynx's bucket lets its burst
 plus one chunk go at once and then holds the rate, so the achieved rate is
 ``(bytes - burst - chunk) / T``, timed from the first chunk to the receiver's
 confirmation of the last.
+
+What the design guarantees is checked in the default run: strict lane priority
+(the anchor lane completes first) and that a bucket is never beaten (the achieved
+rate is at most the configured one: a busy machine only makes it slower). That the
+configured rate is also reached (within 5 %), and how soon a lane completes, are
+wall-clock checks, marked ``timing``: rates low enough (0.5-4 Gbit/s) and transfers
+long enough (~1.2 s) that scheduling noise stays inside the tolerances.
 """
 
 from __future__ import annotations
@@ -69,28 +74,46 @@ def bytes_per_s(gbps: float) -> float:
     return gbps * 1e9 / 8
 
 
-def test_anchor_lane_completes_first_at_link_rate_and_residual_is_not_starved(link) -> None:
+ANCHOR_FIRST = (1.0, 16 * MiB, 64 * MiB)  # Gbit/s, anchor bytes, residual bytes
+
+
+def _anchor_and_residual(link) -> dict:
+    """Both lanes at once over a 1 Gbit/s link; the residual listed first: priority,
+    not manifest order, decides."""
     _rx, peer = link
-    gbps, anchor, residual = 1.0, 16 * MiB, 64 * MiB
+    gbps, anchor, residual = ANCHOR_FIRST
     peer.call("link_rate", (gbps, BURST))
     try:
-        # residual listed first: priority, not manifest order, decides
         result = peer.call("send", [("res", residual, Lane.RESIDUAL, -1),
                                     ("anc", anchor, Lane.ANCHOR, -1)], b"", 30.0)
     finally:
         peer.call("link_rate", None)
-    assert result["state"] == "completed", result
-    ideal = anchor / bytes_per_s(gbps)
+    assert result["state"] == "completed", result  # the residual is not starved
+    return result
+
+
+def test_anchor_lane_completes_first_and_residual_is_not_starved(link) -> None:
+    result = _anchor_and_residual(link)
+    assert result["lane_s"][Lane.ANCHOR] < result["lane_s"][Lane.RESIDUAL], result
+    # the bucket holds the link: both lanes' bytes past the burst take at least their time
+    gbps, anchor, residual = ANCHOR_FIRST
+    assert result["data_s"] >= (anchor + residual - BURST - CHUNK) / bytes_per_s(gbps), result
+
+
+@pytest.mark.timing
+def test_anchor_lane_completes_at_the_link_rate(link, timing) -> None:
+    result = _anchor_and_residual(link)
+    gbps, anchor, residual = ANCHOR_FIRST
     chunk_time = CHUNK / bytes_per_s(gbps)
     # timed from the first chunk on the link to the receiver's LANE_DONE
-    assert result["lane_data_s"][Lane.ANCHOR] <= 1.1 * ideal + chunk_time, result
-    assert result["lane_s"][Lane.ANCHOR] < result["lane_s"][Lane.RESIDUAL]
-    total_ideal = (anchor + residual) / bytes_per_s(gbps)
-    assert result["data_s"] <= 1.1 * total_ideal + chunk_time, result
+    timing.at_most("anchor lane, first chunk to LANE_DONE", result["lane_data_s"][Lane.ANCHOR],
+                   1.1 * anchor / bytes_per_s(gbps) + chunk_time)
+    timing.at_most("both lanes, first chunk to the last confirmation", result["data_s"],
+                   1.1 * (anchor + residual) / bytes_per_s(gbps) + chunk_time)
 
 
-@pytest.mark.parametrize("gbps", [0.5, 1.0, 4.0])
-def test_link_shaping_achieves_the_configured_rate_within_5_percent(bulk_link, gbps: float) -> None:
+def _shaped_bulk(bulk_link, gbps: float) -> float:
+    """The rate (Gbit/s) a ~1.2 s bulk stream achieved over a link shaped to ``gbps``."""
     _rx, peer = bulk_link
     nbytes = int(bytes_per_s(gbps) * 1.2) // BULK_CHUNK * BULK_CHUNK
     peer.call("link_rate", (gbps, BULK_BURST))
@@ -99,11 +122,24 @@ def test_link_shaping_achieves_the_configured_rate_within_5_percent(bulk_link, g
     finally:
         peer.call("link_rate", None)
     assert result["state"] == "completed", result
-    achieved = achieved_gbps(nbytes, BULK_BURST, BULK_CHUNK, result["data_s"])
-    assert abs(achieved / gbps - 1) <= 0.05, (achieved, gbps)
+    return achieved_gbps(nbytes, BULK_BURST, BULK_CHUNK, result["data_s"])
 
 
-def test_lane_rate_shapes_only_its_lane(link) -> None:
+@pytest.mark.parametrize("gbps", [0.5, 1.0, 4.0])
+def test_link_shaping_never_beats_the_configured_rate(bulk_link, gbps: float) -> None:
+    achieved = _shaped_bulk(bulk_link, gbps)
+    assert achieved <= 1.05 * gbps, (achieved, gbps)
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("gbps", [0.5, 1.0, 4.0])
+def test_link_shaping_achieves_the_configured_rate_within_5_percent(bulk_link, gbps: float, timing) -> None:
+    achieved = _shaped_bulk(bulk_link, gbps)
+    timing.within(f"achieved rate over a {gbps:g} Gbit/s link", achieved, 0.95 * gbps, 1.05 * gbps, "Gbit/s")
+
+
+def _lane_rate(link) -> dict:
+    """A residual lane shaped to 1 Gbit/s and an unshaped anchor lane, both at once."""
     _rx, peer = link
     peer.call("lane_rate", Lane.RESIDUAL, (1.0, BURST))
     try:
@@ -112,13 +148,32 @@ def test_lane_rate_shapes_only_its_lane(link) -> None:
     finally:
         peer.call("lane_rate", Lane.RESIDUAL, None)
     assert result["state"] == "completed"
-    residual_ideal = 48 * MiB / bytes_per_s(1.0)
-    # the unshaped anchor finishes far sooner than the residual could at its rate
+    return result
+
+
+def _residual_gbps(result: dict) -> float:
+    """The residual's rate once the anchor was done (its lane alone on the link)."""
     lanes = result["lane_s"]
-    assert lanes[Lane.ANCHOR] < 0.5 * residual_ideal
+    return achieved_gbps(48 * MiB, BURST, CHUNK, lanes[Lane.RESIDUAL] - lanes[Lane.ANCHOR])
+
+
+def test_lane_rate_shapes_only_its_lane(link) -> None:
+    result = _lane_rate(link)
+    lanes = result["lane_s"]
+    assert lanes[Lane.ANCHOR] < lanes[Lane.RESIDUAL], result
+    # the residual lane's bucket is never beaten: its bytes past the burst take at least their
+    # time at the lane rate, counted from the stream's first chunk (a busy machine only adds)
+    held = achieved_gbps(48 * MiB, BURST, CHUNK, result["lane_data_s"][Lane.RESIDUAL])
+    assert held <= 1.05, (held, result)
+
+
+@pytest.mark.timing
+def test_lane_rate_shapes_only_its_lane_at_its_rate(link, timing) -> None:
+    result = _lane_rate(link)
+    # the unshaped anchor finishes far sooner than the residual could at its rate
+    timing.less_than("the unshaped anchor lane", result["lane_s"][Lane.ANCHOR], 0.5 * 48 * MiB / bytes_per_s(1.0))
     # once the anchor is done the residual runs at its own lane rate
-    residual = achieved_gbps(48 * MiB, BURST, CHUNK, lanes[Lane.RESIDUAL] - lanes[Lane.ANCHOR])
-    assert abs(residual - 1.0) <= 0.1, (residual, result)
+    timing.within("the residual lane, shaped to 1 Gbit/s", _residual_gbps(result), 0.9, 1.1, "Gbit/s")
 
 
 def test_rate_change_mid_stream_takes_effect(link) -> None:
@@ -134,7 +189,8 @@ def test_rate_change_mid_stream_takes_effect(link) -> None:
     assert result["total_s"] < 0.6 * nbytes / bytes_per_s(0.5), result
 
 
-def test_receiver_requested_rate_caps_the_sender(link) -> None:
+def _receiver_capped(link) -> float:
+    """The rate (Gbit/s) of a 1 s stream from a sender the receiver asked for 1 Gbit/s."""
     rx, peer = link
     rx.request_rate(Rate(1.0, BURST))
     try:
@@ -147,5 +203,15 @@ def test_receiver_requested_rate_caps_the_sender(link) -> None:
         result = peer.call("send", [("bulk", nbytes, Lane.RESIDUAL, -1)], b"", 30.0)
     finally:
         rx.request_rate(None)
-    achieved = achieved_gbps(nbytes, BURST, CHUNK, result["data_s"])
-    assert abs(achieved - 1.0) <= 0.05, achieved
+    assert result["state"] == "completed", result
+    return achieved_gbps(nbytes, BURST, CHUNK, result["data_s"])
+
+
+def test_receiver_requested_rate_caps_the_sender(link) -> None:
+    achieved = _receiver_capped(link)
+    assert achieved <= 1.05, achieved
+
+
+@pytest.mark.timing
+def test_receiver_requested_rate_is_the_senders_rate(link, timing) -> None:
+    timing.within("achieved rate under the receiver's 1 Gbit/s cap", _receiver_capped(link), 0.95, 1.05, "Gbit/s")

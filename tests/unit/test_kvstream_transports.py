@@ -30,8 +30,9 @@ INFO = ModelInfo("m", num_layers=4, kv_heads=2, head_dim=16, max_positions=4096,
                  vocab_size=100, eos_token_ids=frozenset({0}))
 CFG = TransportConfig(chunk_bytes=16 << 10, max_inflight_bytes=64 << 10, pool_wait_s=0)
 WAIT = 10.0
-#: The receiver hears of a failed send within this (a cancel, not a timeout).
-PROMPTLY_S = 0.5
+#: A generous bound on hearing of a failed send: the cancel itself tells the receiver (the
+#: tests check that the error is the cancel, not a timeout); it takes milliseconds.
+PROMPTLY_S = 5.0
 
 
 @pytest.fixture(scope="module", autouse=True)

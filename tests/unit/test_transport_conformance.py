@@ -409,9 +409,13 @@ def test_connecting_where_nobody_listens_fails_fast(transport) -> None:
     address = rx.address
     rx.close()
     start = time.monotonic()
-    with pytest.raises(ConnectError, match="cannot connect"):
-        transport.connect(address, timeout=2.0, config=CFG)
-    assert time.monotonic() - start < 1.0
+    with pytest.raises(ConnectError, match="cannot connect") as refused:
+        transport.connect(address, timeout=WAIT, config=CFG)
+    # refused (UCX: the kernel's ECONNREFUSED; in memory: nobody listens), not timed out ...
+    assert refused.value.__cause__ is None or isinstance(refused.value.__cause__, ConnectionRefusedError)
+    assert "timed out" not in str(refused.value)
+    # ... so long before the connect's timeout (a generous bound: it takes milliseconds)
+    assert time.monotonic() - start < WAIT / 2
 
 
 def test_next_stream_times_out(transport) -> None:
@@ -419,17 +423,26 @@ def test_next_stream_times_out(transport) -> None:
         start = time.monotonic()
         with pytest.raises(TransportTimeoutError, match="no stream opened"):
             rx.next_stream(0.1)
-        assert 0.1 <= time.monotonic() - start < 1.0
+        # not before its timeout; and not forever (a generous bound: 50x the timeout)
+        assert 0.1 <= time.monotonic() - start < 5.0
 
 
-def test_a_stream_that_does_not_fit_the_pool_waits_then_fails(transport) -> None:
-    cfg = dataclasses.replace(CFG, pool_wait_s=0.2)
+def test_a_stream_larger_than_the_whole_pool_is_refused_without_waiting(transport) -> None:
+    cfg = dataclasses.replace(CFG, pool_wait_s=60.0)  # a refusal after waiting would take a minute
     with pair(transport, pool_bytes=1 << 20, config=cfg) as (rx, conn, rec, pool):
         start = time.monotonic()
         too_big = conn.send_stream(regions([("a", 2 << 20, Lane.ANCHOR)], 10)[0])
         with pytest.raises(PoolExhaustedError, match="release finished streams"):
             too_big.wait(WAIT)  # larger than the whole pool: refused at once
-        assert time.monotonic() - start < cfg.pool_wait_s
+        assert time.monotonic() - start < WAIT  # well before pool_wait_s: it did not wait for room
+        assert too_big.state is StreamState.FAILED
+        assert rec.events == {} and pool.free_bytes == pool.nbytes  # never opened, nothing held
+        _still_works(rx, conn, rec, pool)
+
+
+def test_a_stream_that_does_not_fit_the_pool_waits_then_fails(transport) -> None:
+    cfg = dataclasses.replace(CFG, pool_wait_s=0.2)
+    with pair(transport, pool_bytes=1 << 20, config=cfg) as (rx, conn, rec, pool):
         bufs, meta = regions([("held", 768 << 10, Lane.ANCHOR)], 11)
         conn.send_stream(bufs, metadata=meta).wait(WAIT)
         held = rx.next_stream(WAIT)
@@ -533,12 +546,14 @@ def test_an_anchor_for_one_listener_overtakes_a_residual_sending_to_another(tran
 
     callbacks = dataclasses.replace(two.callbacks(), on_stream_open=on_open, on_lane_complete=on_lane)
     with egress_to_two(transport, recs=[one, two], callbacks=[None, callbacks]) as (egress, side1, side2):
-        egress.set_link_rate(EGRESS_RATE)
+        # 6.25 MB/s, a chunk every ~10 ms: the count below then tolerates callbacks that run
+        # tens of milliseconds late (on a busy machine) without losing the difference it checks
+        egress.set_link_rate(Rate(0.05, CHUNK))
         a = egress.connect(side1.rx.address, timeout=WAIT)
         b = egress.connect(side2.rx.address, timeout=WAIT)
         assert egress.peers() == [side1.rx.address, side2.rx.address]
         bufs, meta = regions([("anc", CHUNK, Lane.ANCHOR), ("res", 4 << 20, Lane.RESIDUAL)], 20)
-        sa = a.send_stream(bufs, metadata=meta)  # 64 residual chunks, ~130 ms
+        sa = a.send_stream(bufs, metadata=meta)  # 64 residual chunks, ~670 ms
         assert wait_until(lambda: chunks_of(one, "res") >= 3, WAIT)  # A's residual is on the link ...
         bufs, meta = regions([("anc", 1 << 20, Lane.ANCHOR)], 21)  # ... when B's anchor (16 chunks) comes
         sb = b.send_stream(bufs, metadata=meta)
@@ -547,10 +562,11 @@ def test_an_anchor_for_one_listener_overtakes_a_residual_sending_to_another(tran
         sa.wait(WAIT)
         sb.wait(WAIT)
         # lane priority across the egress's peers: B's anchor went ahead of A's residual - at
-        # most the in-flight window of it (and a chunk or two of callback lag) landed meanwhile;
-        # sharing the link turn about (or two separate links) would have landed 16 more
+        # most the in-flight window of it (and some chunks of callback lag) landed meanwhile;
+        # sharing the link turn about (or two separate links) would have landed 16 more: the
+        # bound is halfway
         overtaken_by = seen_at_anchor[0] - seen_at_open[0]
-        assert overtaken_by <= CFG.max_inflight_bytes // CHUNK + 2, overtaken_by
+        assert overtaken_by <= CFG.max_inflight_bytes // CHUNK + 8, overtaken_by
         assert sb.lane_completed_at[Lane.ANCHOR] < sa.lane_completed_at[Lane.RESIDUAL]
         _land_exactly(side1, side2)
 
@@ -561,7 +577,8 @@ def test_the_lane_policy_orders_streams_of_one_lane_across_the_egress_peers(tran
         egress.set_link_rate(EGRESS_RATE)
         a = egress.connect(side1.rx.address, timeout=WAIT)
         b = egress.connect(side2.rx.address, timeout=WAIT)
-        bufs, meta = regions([("long", 2 << 20, Lane.RESIDUAL)], 22)
+        # ~270 ms: B's open (a round trip) comes long before A's end, however busy the machine
+        bufs, meta = regions([("long", 8 << 20, Lane.RESIDUAL)], 22)
         sa = a.send_stream(bufs, metadata=meta)
         assert wait_until(lambda: chunks_of(side1.rec, "long") >= 1, WAIT)
         bufs, meta = regions([("short", 256 << 10, Lane.RESIDUAL)], 23)  # 4 chunks, on the same lane
@@ -642,8 +659,10 @@ def test_closing_the_egress_fails_what_is_in_flight_on_every_connection(transpor
             _still_works(side1.rx, again, side1.rec, side1.pool)  # the listeners carry on
 
 
-def test_the_egress_link_rate_paces_all_its_peers_together(transport) -> None:
-    rate = Rate(0.2, CHUNK)  # 25 MB/s for both peers together
+def _paced_together(transport: Transport) -> tuple[float, float]:
+    """Two peers of one egress at 25 MB/s together, 1 MiB each; (seconds both took, the
+    ideal: both streams' bytes past the burst at the rate, ~81 ms; one peer alone: half)."""
+    rate = Rate(0.2, CHUNK)
     n = 1 << 20
     with egress_to_two(transport) as (egress, side1, side2):
         egress.set_link_rate(rate)
@@ -655,13 +674,27 @@ def test_the_egress_link_rate_paces_all_its_peers_together(transport) -> None:
         for s in sent:
             s.wait(WAIT)
         took = max(s.completed_at or 0.0 for s in sent) - min(s.opened_at for s in sent)
-        ideal = (2 * n - rate.burst_bytes) / rate.bytes_per_s  # ~81 ms; one peer alone: half
-        assert 0.85 * ideal <= took <= 4 * ideal + 0.25, (took, ideal)
         _land_exactly(side1, side2)
+    return took, (2 * n - rate.burst_bytes) / rate.bytes_per_s
+
+
+def test_the_egress_link_rate_paces_all_its_peers_together(transport) -> None:
+    took, ideal = _paced_together(transport)
+    # the bucket is shared: together they take what both streams' bytes take at the rate, not
+    # what one takes (a lower bound: a busy machine only makes it slower)
+    assert took >= 0.85 * ideal, (took, ideal)
+
+
+@pytest.mark.timing
+def test_the_egress_link_rate_paces_all_its_peers_at_the_rate(transport, timing) -> None:
+    took, ideal = _paced_together(transport)
+    timing.at_most("two peers' streams through one shaped egress", took, 4 * ideal + 0.25)
 
 
 def test_a_connections_own_rate_caps_that_peer_only(transport) -> None:
-    cap = Rate(0.05, CHUNK)  # 6.25 MB/s: A's 512 KiB take ~75 ms past the burst
+    # 1.25 MB/s: A's 512 KiB take ~360 ms past the burst, B's unshaped 2 MiB well under that
+    # however busy the machine
+    cap = Rate(0.01, CHUNK)
     with egress_to_two(transport) as (egress, side1, side2):
         a = egress.connect(side1.rx.address, timeout=WAIT)
         b = egress.connect(side2.rx.address, timeout=WAIT)
