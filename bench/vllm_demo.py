@@ -104,16 +104,16 @@ def run(model_dir: Path, out: Path, *, tokens: int = 2048, new_tokens: int = 16,
         bar.update(2)
         with producer, consumer:
             # warm up both instances and every scheme's path (JIT, connections), off the clock
-            warm_params = _checked(producer.generate(warm, 1), "producer warm-up")["kv_transfer_params"]
+            warm_params = _checked(producer.prefill(warm), "producer warm-up")["kv_transfer_params"]
             for scheme in SCHEMES:
                 _checked(consumer.generate(warm, 2, kv_transfer_params=_with_scheme(warm_params, scheme)),
                          f"consumer warm-up ({scheme})")
             bar.update(1)
-            _checked(producer.generate(ids, 1), "producer warm-up at full length")
+            _checked(producer.prefill(ids), "producer warm-up at full length")
             bar.update(1)
             prefills: list[float] = []
             for _ in range(repeats):
-                held = _checked(producer.generate(ids, 1), "producer prefill")  # held again, each round
+                held = _checked(producer.prefill(ids), "producer prefill")  # held again, each round
                 prefills.append(held["e2e_s"])
                 params = held["kv_transfer_params"]
                 for scheme in (*SCHEMES, "no_transfer"):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lynx_bench.errors import VllmNodeError
+from lynx_vllm.plan import REMOTE_DECODE
 
 __all__ = ["VLLM_ENV", "INSTALL_HINT", "vllm_python", "numba_cache_env", "free_port", "VllmNode"]
 
@@ -117,6 +118,12 @@ class VllmNode:
                "kv_transfer_params": kv_transfer_params, "timeout_s": timeout_s}
         self.send(cmd)
         return self._answer(timeout_s + 10, f"answer {rid}")
+
+    def prefill(self, prompt_ids: Sequence[int], *, timeout_s: float = 300.0) -> dict[str, Any]:
+        """A producer's side of a hand-off: a one-token request sent with ``kv_transfer_params``
+        ``{"do_remote_decode": true}`` (vLLM's convention; a LynxConnector producer holds no other
+        request's cache); the answer's ``kv_transfer_params`` say where a consumer pulls it."""
+        return self.generate(prompt_ids, 1, kv_transfer_params=dict(REMOTE_DECODE), timeout_s=timeout_s)
 
     def send(self, cmd: dict[str, Any]) -> None:
         assert self.proc.stdin is not None

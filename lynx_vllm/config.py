@@ -19,8 +19,12 @@ Keys (all optional except ``port`` on a producer):
     A load's end-to-end bound (header, every layer), the silence after which a
     peer counts as hung (default 30 s; a producer that died is noticed at once by
     its closed connection), and a connect's bound (:class:`~lynx_decode.timeouts.Timeouts`).
-``max_prefills``
-    Prefills the producer holds for consumers to pull (oldest dropped first).
+``max_prefills`` / ``hold_s``
+    The producer holds the cache of each request sent with ``kv_transfer_params``
+    ``{"do_remote_decode": true}`` for consumers to pull: at most ``max_prefills``
+    (default 16; past it the least recently used is dropped), each until no consumer
+    pulled it for ``hold_s`` seconds (default 60; a pull restarts the wait). Every
+    drop is logged on ``lynx_vllm`` (a WARNING for a cache never pulled).
 ``stats_path``
     A JSON-lines file the consumer appends one record to per load (timestamps,
     bytes, outcome): what an operator or a test reads to see the overlap.
@@ -38,10 +42,10 @@ from lynx_decode.errors import CodecError
 from lynx_decode.timeouts import Timeouts
 from lynx_vllm.errors import ConnectorError
 
-__all__ = ["ConnectorConfig", "codec_config"]
+__all__ = ["ConnectorConfig", "codec_config", "scheme_of", "planes_of"]
 
 _KEYS = frozenset({"host", "port", "scheme", "planes", "bandwidth_gbps", "timeout_s", "peer_timeout_s",
-                   "connect_timeout_s", "max_prefills", "stats_path"})
+                   "connect_timeout_s", "max_prefills", "hold_s", "stats_path"})
 
 
 def codec_config(scheme: Scheme, planes: tuple[int, ...]) -> CodecConfig:
@@ -49,7 +53,9 @@ def codec_config(scheme: Scheme, planes: tuple[int, ...]) -> CodecConfig:
     return CodecConfig(scheme=scheme, planes=planes) if scheme is Scheme.LYNX else CodecConfig(scheme=scheme)
 
 
-def _scheme(value: Any) -> Scheme:
+def scheme_of(value: Any) -> Scheme:
+    """A scheme setting (``"bf16"``, ``"int8"``, ``"int4"``, ``"lynx"``, any case) as a :class:`Scheme`;
+    :class:`ConnectorError` for anything else (fp16 included)."""
     try:
         scheme = Scheme(str(value).lower())
     except ValueError:
@@ -59,7 +65,8 @@ def _scheme(value: Any) -> Scheme:
     return scheme
 
 
-def _planes(value: Any) -> tuple[int, ...]:
+def planes_of(value: Any) -> tuple[int, ...]:
+    """A plane split (``"4,4"`` or a sequence of widths) as a validated tuple; :class:`ConnectorError` if bad."""
     try:
         return parse_planes(value) if isinstance(value, str) else check_planes(value)
     except CodecError as exc:
@@ -85,6 +92,7 @@ class ConnectorConfig:
     peer_timeout_s: float = Timeouts.peer_s
     connect_timeout_s: float = 5.0
     max_prefills: int = 16
+    hold_s: float = 60.0
     stats_path: str | None = None
 
     @classmethod
@@ -107,13 +115,14 @@ class ConnectorConfig:
         return cls(
             host=str(extra.get("host", "127.0.0.1")),
             port=port,
-            scheme=_scheme(extra.get("scheme", "lynx")),
-            planes=_planes(extra.get("planes", (4, 4))),
+            scheme=scheme_of(extra.get("scheme", "lynx")),
+            planes=planes_of(extra.get("planes", (4, 4))),
             bandwidth_gbps=None if rate is None else _positive("bandwidth_gbps", rate),
             timeout_s=_positive("timeout_s", extra.get("timeout_s", 30.0)),
             peer_timeout_s=_positive("peer_timeout_s", extra.get("peer_timeout_s", Timeouts.peer_s)),
             connect_timeout_s=_positive("connect_timeout_s", extra.get("connect_timeout_s", 5.0)),
             max_prefills=max_prefills,
+            hold_s=_positive("hold_s", extra.get("hold_s", 60.0)),
             stats_path=None if extra.get("stats_path") is None else str(extra["stats_path"]),
         )
 
@@ -124,6 +133,6 @@ class ConnectorConfig:
         """The scheme and planes a load asks for: the request's ``kv_transfer_params["lynx"]``
         ``scheme``/``planes`` where given, else this config's."""
         lynx = (params or {}).get("lynx") or {}
-        scheme = _scheme(lynx["scheme"]) if "scheme" in lynx else self.scheme
-        planes = _planes(lynx["planes"]) if "planes" in lynx else self.planes
+        scheme = scheme_of(lynx["scheme"]) if "scheme" in lynx else self.scheme
+        planes = planes_of(lynx["planes"]) if "planes" in lynx else self.planes
         return scheme, planes

@@ -6,11 +6,16 @@ and one in each worker (role ``WORKER``: a producer's
 :class:`~lynx_vllm.producer.HeldPrefills` behind a Lynx prefill node, or a
 consumer's :class:`~lynx_vllm.consumer.KVLoader`).
 
-Producer (``kv_producer``): every request's prompt cache is copied out of the
-paged blocks as its last prefill step runs (``save_kv_layer``, layer by layer),
-held, and served to consumers that pull it; the finished request's
-``kv_transfer_params`` say where (:func:`~lynx_vllm.plan.producer_params`).
-vLLM frees the blocks at once (the connector holds its own copy).
+Producer (``kv_producer``): the prompt cache of every request whose
+``kv_transfer_params`` carry ``do_remote_decode: true`` (vLLM's disaggregated
+convention, :data:`~lynx_vllm.plan.REMOTE_DECODE`; other requests are served as by a
+plain vLLM) is copied out of the paged blocks as its last prefill step runs
+(``save_kv_layer``, layer by layer), held, and served to consumers that pull it;
+the finished request's ``kv_transfer_params`` say where
+(:func:`~lynx_vllm.plan.producer_params`). vLLM frees the blocks at once (the
+connector holds its own copy); a held cache is dropped once no consumer pulled it
+for ``hold_s``, or when ``max_prefills`` more recently used ones are held (logged
+either way).
 
 Consumer (``kv_consumer``): a request whose ``kv_transfer_params`` name a producer
 loads its first ``n - 1`` prompt tokens (synchronously in vLLM's terms: the
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,6 +122,8 @@ class LynxConnector(KVConnectorBase_V1):
         self._kv: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._held: HeldPrefills | None = None
+        self._stopped = threading.Event()
+        self._expiry: threading.Thread | None = None
         self._node: PrefillNode | None = None
         self._loader: KVLoader | None = None
         self._active: list[tuple[LoadSpec, Load]] = []
@@ -138,7 +146,11 @@ class LynxConnector(KVConnectorBase_V1):
                          int(mc.get_vocab_size()), frozenset())
         timeouts = self.config.timeouts()
         if self._producer:
-            self._held = HeldPrefills(info, max_prefills=self.config.max_prefills, wait_s=self.config.timeout_s)
+            self._held = HeldPrefills(info, max_prefills=self.config.max_prefills, hold_s=self.config.hold_s,
+                                      wait_s=self.config.timeout_s)
+            self._expiry = threading.Thread(target=self._expire_held, args=(self._held,),
+                                            name="lynx-held-expiry", daemon=True)
+            self._expiry.start()
             rate = None if self.config.bandwidth_gbps is None else Rate(self.config.bandwidth_gbps, BURST_BYTES)
             self._node = PrefillNode(self._held, host=self.config.host, port=self.config.port, timeouts=timeouts,
                                      memory_cache=0, link_rate=rate)
@@ -149,6 +161,13 @@ class LynxConnector(KVConnectorBase_V1):
             own = dataclasses.replace(self.config, port=0 if self._producer else self.config.port)
             self._loader = KVLoader(info, own)
             log.info("LynxConnector consumer receiving on %s:%d", *self._loader.address)
+
+    def _expire_held(self, held: HeldPrefills) -> None:
+        """The producer's expiry thread: a held prefill is dropped within a quarter of ``hold_s``
+        (at most 5 s) of its time, even while no request comes."""
+        interval = min(self.config.hold_s / 4, 5.0)
+        while not self._stopped.wait(interval):
+            held.expire()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -215,7 +234,7 @@ class LynxConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             try:
                 if index == 0:
-                    self._held.begin(spec.prompt_ids)
+                    self._held.begin(spec.prompt_ids, spec.request_id)
                 k, v = paged.gather(kv_layer, spec.block_ids, 0, len(spec.prompt_ids) - 1)
                 self._held.save_layer(spec.prompt_ids, index, paged.to_float32(k), paged.to_float32(v))
             except Exception as exc:  # noqa: BLE001 - a failed save loses that request's hand-off only
@@ -242,6 +261,10 @@ class LynxConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        self._stopped.set()
+        if self._expiry is not None:
+            self._expiry.join(1.0)
+            self._expiry = None
         if self._node is not None:
             self._node.close()
             self._node = None
@@ -267,16 +290,16 @@ class LynxConnector(KVConnectorBase_V1):
         for req in scheduler_output.scheduled_new_reqs:
             ids = list(req.prompt_token_ids or [])
             blocks = list(req.block_ids[0]) if req.block_ids else []
+            params = (getattr(req.sampling_params, "extra_args", None) or {}).get("kv_transfer_params")
             if self._consumer:
-                params = getattr(req.sampling_params, "extra_args", None) or {}
-                scheme, planes = self.config.request_codec(params.get("kv_transfer_params"))
+                scheme, planes = self.config.request_codec(params)
                 spec = self._consumer_plan.take(req.req_id, ids, blocks, scheme, planes)
                 if spec is not None:
                     meta.loads.append(spec)
             if self._producer:
                 save = self._producer_plan.step(req.req_id, prompt_ids=ids, new_blocks=blocks,
                                                 num_computed=int(req.num_computed_tokens),
-                                                scheduled=int(scheduled.get(req.req_id, 0)))
+                                                scheduled=int(scheduled.get(req.req_id, 0)), params=params)
                 if save is not None:
                     meta.saves.append(save)
         if self._producer:

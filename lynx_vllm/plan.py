@@ -6,22 +6,34 @@ last one) and computes the last prompt token itself, which gives the first
 logits. So a consumer with ``c`` tokens already computed locally (its own
 prefix cache) loads tokens ``[c, n - 1)``.
 
-The hand-off between the two instances is vLLM's ``kv_transfer_params``: the
-producer's finished request returns ``{"lynx": {"producer": [host, port],
-"prompt_tokens": n}}`` (plus vLLM's ``do_remote_prefill`` convention), and the
-proxy passes it to the consumer's request, optionally with ``"scheme"`` and
-``"planes"`` inside ``"lynx"``.
+The hand-off between the two instances is vLLM's ``kv_transfer_params``: a request
+sent to the producer with ``{"do_remote_decode": true}`` (:data:`REMOTE_DECODE`, what
+vLLM's disaggregated proxies send; the producer saves no other request's cache)
+finishes with ``{"lynx": {"producer": [host, port], "prompt_tokens": n}}`` (plus
+vLLM's ``do_remote_prefill`` convention), and the proxy passes it to the consumer's
+request, optionally with ``"scheme"`` and ``"planes"`` inside ``"lynx"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from lynx_decode.codec.config import Scheme
 
-__all__ = ["Transfer", "LoadSpec", "SaveSpec", "ConsumerPlan", "ProducerPlan", "transfer_of", "producer_params"]
+__all__ = ["Transfer", "LoadSpec", "SaveSpec", "ConsumerPlan", "ProducerPlan", "transfer_of", "producer_params",
+           "REMOTE_DECODE", "remote_decode"]
+
+#: The ``kv_transfer_params`` of a request sent to a producer for a consumer to decode (vLLM's convention).
+REMOTE_DECODE: Mapping[str, bool] = MappingProxyType({"do_remote_decode": True, "do_remote_prefill": False})
+
+
+def remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """Whether a request's ``kv_transfer_params`` ask the producer to hold its cache for a consumer
+    (``do_remote_decode`` true, as in :data:`REMOTE_DECODE`)."""
+    return isinstance(params, Mapping) and params.get("do_remote_decode") is True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,19 +127,22 @@ class ConsumerPlan:
 
 
 class ProducerPlan:
-    """Which requests' caches the producer saves: each once, in the step its prefill completes
-    (chunked prefill included), with every block it has by then."""
+    """Which requests' caches the producer saves: those whose ``kv_transfer_params`` ask for a remote
+    decode (:func:`remote_decode`; any other request is served as by a plain vLLM), each once, in the
+    step its prefill completes (chunked prefill included), with every block it has by then."""
 
     def __init__(self) -> None:
         self._prefilling: dict[str, tuple[tuple[int, ...], list[int]]] = {}
         self.saved: set[str] = set()
 
     def step(self, request_id: str, *, prompt_ids: Sequence[int] | None, new_blocks: Sequence[int],
-             num_computed: int, scheduled: int) -> SaveSpec | None:
-        """One scheduled step of a request: ``prompt_ids`` when it is new (else None), the blocks it
-        gained, the tokens computed before the step and scheduled in it. The save, in its last
-        prefill step."""
+             num_computed: int, scheduled: int, params: Mapping[str, Any] | None = None) -> SaveSpec | None:
+        """One scheduled step of a request: ``prompt_ids`` and its ``kv_transfer_params`` (``params``)
+        when it is new (else None), the blocks it gained, the tokens computed before the step and
+        scheduled in it. The save, in its last prefill step, if ``params`` ask for a remote decode."""
         if prompt_ids is not None:
+            if not remote_decode(params):
+                return None  # not for a consumer: never tracked, never saved
             self._prefilling[request_id] = (tuple(prompt_ids), list(new_blocks))
         elif request_id in self._prefilling:
             self._prefilling[request_id][1].extend(new_blocks)

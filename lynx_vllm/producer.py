@@ -18,6 +18,8 @@ cache is held (here: pulled from the store), as in every Lynx run.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,14 +33,25 @@ from lynx_decode.model.protocol import LMCache, ModelInfo, Prefill
 
 __all__ = ["HeldPrefills"]
 
+log = logging.getLogger("lynx_vllm")
+
 
 class _Saving:
-    def __init__(self, ids: tuple[int, ...], kv: KVBuffers, started: float) -> None:
+    def __init__(self, ids: tuple[int, ...], kv: KVBuffers, started: float, name: str) -> None:
         self.ids = ids
         self.kv = kv
         self.started = started
+        self.name = name
         self.done = threading.Event()
         self.prefill: Prefill | None = None
+
+
+@dataclasses.dataclass
+class _Held:
+    prefill: Prefill
+    name: str
+    used_at: float  # published, or last pulled
+    pulls: int = 0
 
 
 class HeldPrefills:
@@ -46,18 +59,24 @@ class HeldPrefills:
     :class:`~lynx_decode.model.protocol.CausalLM` for :class:`~lynx_decode.PrefillNode` whose
     ``prefill`` finds the cache vLLM computed (it never runs a model itself).
 
-    ``max_prefills``: prefills held (the oldest published one is dropped first).
+    ``max_prefills``: prefills held (past it the least recently used one is dropped).
+    ``hold_s``: a held prefill no consumer pulled for this long (since it was published or last
+    pulled) is dropped by :meth:`expire` (which every publish and pull runs too).
     ``wait_s``: how long a pull for a prefill still being saved waits for it.
+    ``clock``: monotonic seconds (the tests' virtual clock). Every drop is logged on ``lynx_vllm``:
+    a WARNING for a prefill no consumer ever pulled (a hand-off that did not happen), else INFO.
+    Thread-safe: vLLM's worker saves while the prefill node's thread pulls.
     """
 
-    def __init__(self, info: ModelInfo, *, max_prefills: int = 16, wait_s: float = 30.0,
+    def __init__(self, info: ModelInfo, *, max_prefills: int = 16, hold_s: float = 60.0, wait_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._info = info
         self._max = max_prefills
+        self._hold_s = hold_s
         self._wait_s = wait_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._held: collections.OrderedDict[tuple[int, ...], Prefill] = collections.OrderedDict()
+        self._held: collections.OrderedDict[tuple[int, ...], _Held] = collections.OrderedDict()
         self._saving: dict[tuple[int, ...], _Saving] = {}
 
     @property
@@ -69,15 +88,16 @@ class HeldPrefills:
             return len(self._held)
 
     # -- the worker's side (vLLM's save_kv_layer / wait_for_save) ---------------------------------
-    def begin(self, prompt_ids: Sequence[int]) -> None:
-        """Start saving the cache of ``prompt_ids[:-1]`` (every layer must follow, then :meth:`finish`)."""
+    def begin(self, prompt_ids: Sequence[int], name: str | None = None) -> None:
+        """Start saving the cache of ``prompt_ids[:-1]`` (every layer must follow, then :meth:`finish`);
+        ``name``: the request's, for the log."""
         ids = tuple(int(t) for t in prompt_ids)
         if len(ids) < 2:
             raise DecodeError(f"a prompt of {len(ids)} token(s) has no cache to hold")
         info = self._info
         kv = KVBuffers(KVShape(info.num_layers, info.kv_heads, len(ids) - 1, info.head_dim))
         with self._lock:
-            self._saving[ids] = _Saving(ids, kv, self._clock())
+            self._saving[ids] = _Saving(ids, kv, self._clock(), f"request {name}" if name else "a request")
 
     def save_layer(self, prompt_ids: Sequence[int], layer: int, k: Any, v: Any) -> None:
         """Layer ``layer``'s K and V (``[kv_heads, len(prompt_ids) - 1, head_dim]``, any float dtype)."""
@@ -95,15 +115,41 @@ class HeldPrefills:
         if missing:
             saving.done.set()
             raise DecodeError(f"the prefill of {len(ids)} tokens is missing layers {missing}")
-        prefill = Prefill(ids, saving.kv, self._clock() - saving.started)
+        now = self._clock()
+        prefill = Prefill(ids, saving.kv, now - saving.started)
+        dropped: list[tuple[_Held, str]] = []
         with self._lock:
-            self._held[ids] = prefill
+            self._held[ids] = _Held(prefill, saving.name, now)
             self._held.move_to_end(ids)
             while len(self._held) > self._max:
-                self._held.popitem(last=False)
+                dropped.append((self._held.popitem(last=False)[1], "max"))
+            dropped += self._expired(now)
         saving.prefill = prefill
         saving.done.set()
+        self._log_drops(dropped)
         return prefill
+
+    def expire(self) -> int:
+        """Drop the held prefills no consumer pulled for ``hold_s``; how many were dropped."""
+        with self._lock:
+            dropped = self._expired(self._clock())
+        self._log_drops(dropped)
+        return len(dropped)
+
+    def _expired(self, now: float) -> list[tuple[_Held, str]]:  # under the lock
+        stale = [ids for ids, held in self._held.items() if now - held.used_at >= self._hold_s]
+        return [(self._held.pop(ids), "hold") for ids in stale]
+
+    def _log_drops(self, dropped: list[tuple[_Held, str]]) -> None:
+        for held, why in dropped:
+            tokens = len(held.prefill.token_ids)
+            pulled = "no consumer pulled it" if held.pulls == 0 else f"pulled {held.pulls} time(s)"
+            since = "published" if held.pulls == 0 else "last pulled"
+            because = (f"held for hold_s={self._hold_s:g} s since it was {since}" if why == "hold"
+                       else f"max_prefills={self._max} more recently used prefills are held")
+            log.log(logging.WARNING if held.pulls == 0 else logging.INFO,
+                    "dropped the held cache of %s (%d prompt tokens, %s): %s", held.name, tokens, pulled,
+                    because)
 
     def abort(self, prompt_ids: Sequence[int]) -> None:
         """Forget a save that will not finish (the request was preempted or aborted)."""
@@ -124,16 +170,25 @@ class HeldPrefills:
         """The held prefill of ``token_ids`` (waiting up to ``wait_s`` for one still being saved), or
         :class:`DecodeError` saying it is not held."""
         ids = tuple(int(t) for t in token_ids)
-        with self._lock:
-            held = self._held.get(ids)
+        while True:
+            with self._lock:
+                now = self._clock()
+                dropped = self._expired(now)
+                held = self._held.get(ids)
+                if held is not None:
+                    held.pulls += 1
+                    held.used_at = now
+                    self._held.move_to_end(ids)
+                saving = self._saving.get(ids)
+            self._log_drops(dropped)
             if held is not None:
-                self._held.move_to_end(ids)
-                return held
-            saving = self._saving.get(ids)
-        if saving is not None and saving.done.wait(self._wait_s) and saving.prefill is not None:
-            return saving.prefill
-        raise DecodeError(f"this producer holds no prefill of the {len(ids)}-token prompt: it was not "
-                          f"prefilled here, or was dropped (it holds the last {self._max})")
+                return held.prefill
+            if saving is None or not saving.done.wait(self._wait_s) or saving.prefill is None:
+                raise DecodeError(f"this producer holds no prefill of the {len(ids)}-token prompt: it was not "
+                                  "prefilled here (the producer saves requests whose kv_transfer_params carry "
+                                  f"do_remote_decode: true), or was dropped (unpulled for hold_s={self._hold_s:g} s, "
+                                  f"or past max_prefills={self._max})")
+            # published meanwhile: count the pull on the held entry
 
     def tokenize(self, text: str) -> list[int]:
         raise DecodeError("the vLLM producer serves token-id prompts only")

@@ -109,7 +109,7 @@ def test_bf16_equals_vllm_and_lynx_equals_int8_with_every_block_loaded_layer_by_
     ids = _ids(PROMPT)
     reference = _ok(nodes["consumer"].generate(ids, 12))["token_ids"]
     assert len(set(reference)) > 2, "the tiny model's greedy output is degenerate; the test would prove little"
-    params = _ok(nodes["producer"].generate(ids, 1))["kv_transfer_params"]
+    params = _ok(nodes["producer"].prefill(ids))["kv_transfer_params"]
     port = nodes.specs["producer"]["extra"]["port"]
     assert params["lynx"] == {"producer": ["127.0.0.1", port], "prompt_tokens": PROMPT}
     out = {s: _ok(nodes["consumer"].generate(ids, 12, kv_transfer_params=_with(params, s)))["token_ids"]
@@ -134,8 +134,8 @@ def test_two_consumers_one_producer_anchors_go_before_an_older_residual(nodes: N
     clock by the transport's tests (test_transport_conformance, test_transport_egress)."""
     ids_a, ids_b = _ids(PROMPT, seed=2), _ids(PROMPT, seed=3)
     producer = nodes["producer"]
-    params_a = _ok(producer.generate(ids_a, 1))["kv_transfer_params"]
-    params_b = _ok(producer.generate(ids_b, 1))["kv_transfer_params"]
+    params_a = _ok(producer.prefill(ids_a))["kv_transfer_params"]
+    params_b = _ok(producer.prefill(ids_b))["kv_transfer_params"]
     nodes["consumer"].send({"op": "generate", "id": "a", "prompt_ids": ids_a, "max_tokens": 4,
                             "kv_transfer_params": _with(params_a, "lynx")})
     time.sleep(0.1)  # a's anchors (about 0.17 s at 0.2 Gbit/s) are on the wire
@@ -163,7 +163,7 @@ def test_a_producer_killed_mid_transfer_fails_or_recomputes_at_once(nodes: Nodes
     ids = _ids(PROMPT, seed=4)
     failing, recomputing = nodes["consumer"], nodes["recompute"]
     reference = _ok(recomputing.generate(ids, 6))["token_ids"]
-    params = _with(_ok(nodes["doomed"].generate(ids, 1))["kv_transfer_params"], "bf16")
+    params = _with(_ok(nodes["doomed"].prefill(ids))["kv_transfer_params"], "bf16")
     for consumer in (failing, recomputing):  # 16 MB each at 0.02 Gbit/s shared: ~13 s
         consumer.send({"op": "generate", "id": "k", "prompt_ids": ids, "max_tokens": 6,
                        "kv_transfer_params": params})
@@ -200,7 +200,7 @@ def test_the_default_model_bf16_equals_vllm_and_lynx_equals_int8(tmp_path: Path)
         producer, consumer = pf.result(), cf_.result()
     with producer, consumer:
         reference = _ok(consumer.generate(ids, 8))["token_ids"]
-        params = _ok(producer.generate(ids, 1))["kv_transfer_params"]
+        params = _ok(producer.prefill(ids))["kv_transfer_params"]
         out = {s: _ok(consumer.generate(ids, 8, kv_transfer_params=_with(params, s)))["token_ids"]
                for s in ("bf16", "int8", "lynx")}
     assert out["bf16"] == reference

@@ -3,6 +3,7 @@ CPU paged-block layout and the producer's held prefills (Lynx's main environment
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -14,7 +15,15 @@ from lynx_decode.model.protocol import ModelInfo
 from lynx_vllm import paged
 from lynx_vllm.config import ConnectorConfig
 from lynx_vllm.errors import ConnectorError
-from lynx_vllm.plan import ConsumerPlan, ProducerPlan, Transfer, producer_params, transfer_of
+from lynx_vllm.plan import (
+    REMOTE_DECODE,
+    ConsumerPlan,
+    ProducerPlan,
+    Transfer,
+    producer_params,
+    remote_decode,
+    transfer_of,
+)
 from lynx_vllm.producer import HeldPrefills
 
 torch = pytest.importorskip("torch")
@@ -79,14 +88,31 @@ def test_consumer_loads_all_but_the_last_prompt_token_after_its_local_prefix() -
 def test_producer_saves_once_when_a_chunked_prefill_completes() -> None:
     plan = ProducerPlan()
     ids = list(range(600))
-    assert plan.step("r", prompt_ids=ids, new_blocks=[4, 5], num_computed=0, scheduled=256) is None
+    assert plan.step("r", prompt_ids=ids, new_blocks=[4, 5], num_computed=0, scheduled=256,
+                     params=REMOTE_DECODE) is None
     assert plan.step("r", prompt_ids=None, new_blocks=[6, 8], num_computed=256, scheduled=256) is None
     save = plan.step("r", prompt_ids=None, new_blocks=[9], num_computed=512, scheduled=88)
     assert save is not None and save.block_ids == (4, 5, 6, 8, 9) and save.prompt_ids == tuple(ids)
     assert plan.step("r", prompt_ids=None, new_blocks=[], num_computed=600, scheduled=1) is None  # decoding
     assert plan.finished("r") is True
     assert plan.finished("r") is False
-    assert plan.step("s", prompt_ids=ids, new_blocks=[1, 2, 3, 4, 5], num_computed=0, scheduled=600) is not None
+    assert plan.step("s", prompt_ids=ids, new_blocks=[1, 2, 3, 4, 5], num_computed=0, scheduled=600,
+                     params={"do_remote_decode": True}) is not None
+
+
+@pytest.mark.parametrize("params", [None, {}, {"do_remote_decode": False}, {"do_remote_prefill": True},
+                                    {"do_remote_decode": "yes"}])
+def test_producer_saves_only_requests_sent_for_a_remote_decode(params: dict | None) -> None:
+    """vLLM's convention: a proxy's prefill leg says do_remote_decode; any other request (a user
+    talking to the producer directly, a consumer's leg sent to the wrong server) is not held."""
+    plan = ProducerPlan()
+    ids = list(range(300))
+    assert plan.step("r", prompt_ids=ids, new_blocks=[1, 2, 3], num_computed=0, scheduled=300, params=params) is None
+    assert plan.step("r", prompt_ids=None, new_blocks=[], num_computed=300, scheduled=1) is None
+    assert plan.finished("r") is False  # so its finished request returns no kv_transfer_params
+    assert remote_decode(params) is False
+    assert remote_decode(REMOTE_DECODE) and dict(REMOTE_DECODE) == {"do_remote_decode": True,
+                                                                   "do_remote_prefill": False}
 
 
 # -- the CPU paged layout -----------------------------------------------------------------------
@@ -176,6 +202,71 @@ def test_a_pull_waits_for_a_save_in_progress_and_a_partial_save_is_never_served(
         held.finish(other)
     with pytest.raises(DecodeError, match="holds no prefill"):
         HeldPrefills(_info(), wait_s=0.0).prefill(other)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_prefill_no_consumer_pulls_for_hold_s_is_dropped_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="lynx_vllm")
+    clock = Clock()
+    held = HeldPrefills(_info(), hold_s=60.0, wait_s=0.0, clock=clock)
+    pulled, unpulled = list(range(10)), list(range(20))
+    held.begin(pulled, "cmpl-a")
+    for i in range(2):
+        held.save_layer(pulled, i, np.zeros((2, 9, 4), np.float32), np.zeros((2, 9, 4), np.float32))
+    held.finish(pulled)
+    _save(held, unpulled)
+    clock.now += 30
+    assert held.prefill(pulled).token_ids == tuple(pulled)  # a pull restarts its wait
+    clock.now += 29.9
+    assert held.expire() == 0 and len(held) == 2
+    clock.now += 0.1  # 60 s since the unpulled one was published
+    assert held.expire() == 1 and len(held) == 1
+    [drop] = caplog.records
+    assert drop.levelno == logging.WARNING and drop.name == "lynx_vllm"
+    assert drop.getMessage() == ("dropped the held cache of a request (20 prompt tokens, no consumer "
+                                 "pulled it): held for hold_s=60 s since it was published")
+    with pytest.raises(DecodeError, match="do_remote_decode: true.*unpulled for hold_s=60 s"):
+        held.prefill(unpulled)
+    clock.now += 30  # 60 s since the last pull: the pull itself expires it first
+    with pytest.raises(DecodeError, match="holds no prefill of the 10-token prompt"):
+        held.prefill(pulled)
+    assert len(held) == 0
+    drop = caplog.records[-1]
+    assert drop.levelno == logging.INFO
+    assert drop.getMessage() == ("dropped the held cache of request cmpl-a (10 prompt tokens, pulled 1 time(s)): "
+                                 "held for hold_s=60 s since it was last pulled")
+
+
+def test_past_max_prefills_the_least_recently_used_is_dropped_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="lynx_vllm")
+    clock = Clock()
+    held = HeldPrefills(_info(), max_prefills=2, hold_s=60.0, wait_s=0.0, clock=clock)
+    _save(held, list(range(5)))
+    _save(held, list(range(6)))
+    held.prefill(list(range(5)))  # now the 6-token one is the least recently used
+    _save(held, list(range(7)))
+    held.prefill(list(range(5)))
+    held.prefill(list(range(7)))
+    with pytest.raises(DecodeError, match="past max_prefills=2"):
+        held.prefill(list(range(6)))
+    [drop] = caplog.records
+    assert drop.levelno == logging.WARNING
+    assert drop.getMessage().endswith("(6 prompt tokens, no consumer pulled it): max_prefills=2 more recently used "
+                                      "prefills are held")
+
+
+def test_hold_s_setting() -> None:
+    assert ConnectorConfig.from_extra({}, producer=False).hold_s == 60.0
+    assert ConnectorConfig.from_extra({"port": 1, "hold_s": 5}, producer=True).hold_s == 5.0
+    with pytest.raises(ConnectorError, match="hold_s must be a positive number"):
+        ConnectorConfig.from_extra({"hold_s": 0}, producer=False)
 
 
 def test_bfloat16_conversions_are_torchs_exactly() -> None:
