@@ -2,6 +2,10 @@
 
 import importlib
 import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +50,16 @@ def test_errors_are_defined_in_the_layer_that_raises_them() -> None:
             or cls in (errors.BackendError, errors.ConfigError), name
 
 
-def test_no_top_level_kernels_package() -> None:
-    assert importlib.util.find_spec("kernels") is None or "lynx" not in str(
-        importlib.util.find_spec("kernels").origin
-    )
+def test_no_top_level_kernels_package(tmp_path) -> None:
+    """Lynx installs no top-level ``kernels`` (PyPI has a popular package of that name):
+    asked from outside the checkout (``-I``: no cwd, no PYTHONPATH on sys.path, so the
+    checkout's own ``kernels/`` folder is not found by accident, wherever the clone sits),
+    the name is free or someone else's, while ``lynx_kernels`` is ours."""
+    probe = ("import importlib.util, json; "
+             "spec = lambda n: importlib.util.find_spec(n); "
+             "print(json.dumps([None if spec(n) is None else spec(n).origin for n in ('kernels', 'lynx_kernels')]))")
+    out = subprocess.run([sys.executable, "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout
+    kernels, lynx_kernels = json.loads(out)
+    ours = Path(lynx_kernels).parent
+    assert kernels is None or Path(kernels).parent != ours, (kernels, lynx_kernels)
