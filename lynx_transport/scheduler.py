@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import itertools
 from collections.abc import Callable, Hashable
 
@@ -329,16 +330,23 @@ class PriorityScheduler:
             if not flows:
                 continue
             lane_delay = max(link, self.shaper.lane_delay(lane, 0))
-            ready_heads: list[int] = []
+            ready: dict[int, _Flow] = {}
             for flow in flows:
                 delay = max(lane_delay, self._peer_delay(flow.peer, lane))
                 if delay <= 0:
-                    ready_heads.append(self._head_bytes(flow))
+                    ready[id(flow)] = flow
                 else:
                     best = delay if best is None else min(best, delay)
-            if ready_heads:
-                # strict priority: this lane's chunk goes next, when it fits in flight
-                return 0.0 if self._inflight_allows(min(ready_heads)) else None
+            if ready:
+                # strict priority: this lane's chunk goes next, when it fits in flight (the
+                # chunk next_chunk() would pick; DRR's pick turns its ring, so not asked here)
+                if self.policy is LanePolicy.DRR:
+                    head = min(self._head_bytes(flow) for flow in ready.values())
+                else:
+                    picked = self._pick(flows, functools.partial(_among, ready))
+                    assert picked is not None
+                    head = self._head_bytes(picked)
+                return 0.0 if self._inflight_allows(head) else None
         return best
 
     def complete(self, chunk: Chunk) -> None:
@@ -386,6 +394,10 @@ class PriorityScheduler:
     def idle(self) -> bool:
         """True when nothing is queued and nothing is in flight."""
         return self._inflight == 0 and not any(self._queued)
+
+
+def _among(flows: dict[int, _Flow], flow: _Flow) -> bool:
+    return id(flow) in flows
 
 
 def _pick_fifo(flows: collections.deque[_Flow], ready: Callable[[_Flow], bool]) -> _Flow | None:
