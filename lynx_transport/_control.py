@@ -105,8 +105,7 @@ class ControlSocket:
         if now - self.last_rx > timeout_s:
             raise PeerDisconnectedError(f"{who} {self.peer} silent for {now - self.last_rx:.2f} s "
                                         f"(limit {timeout_s} s)")
-        if now - self.last_tx >= heartbeat_s:
-            self.send(FrameType.HEARTBEAT, b"", now)
+        self.heartbeat_if_due(now, heartbeat_s)
         return min(self.last_rx + timeout_s, self.last_tx + heartbeat_s)
 
     def _bytes_waiting(self) -> bool:
