@@ -28,6 +28,7 @@ from lynx_bench.node_args import (
     add_timeout_arguments,
     add_ucx_arguments,
     check_model_arg,
+    early_prompt_tokens,
     host_port,
     load_model,
     timeouts,
@@ -142,6 +143,12 @@ def _validate(args: argparse.Namespace) -> str:
     return text
 
 
+def _too_short(tokens: int) -> PromptError:
+    return PromptError(f"--prompt-file: the prompt is {tokens} token{'s' * (tokens != 1)} long; "
+                       "it needs at least 2 (the prefill node caches all but the last, which the "
+                       "decode node runs itself)")
+
+
 def probe(server: tuple[str, int], timeout: float) -> None:
     """Fail now if nobody listens at ``server``: a TCP connect to the prefill node's
     control port (where ``Transport.connect`` starts too), closed at once, before the
@@ -167,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     text = _validate(args)
     check_model_arg(args)
     transport_config(args)  # bad flags fail before the model loads
+    if not args.chat and (count := early_prompt_tokens(args, text)) is not None and count < 2:
+        raise _too_short(count)  # ... and so does a prompt too short, where its tokenizer tells cheaply
     waits = timeouts(args)
     probe(server, waits.connect_s)  # ... and so does a prefill node that is not there
     model = load_model(args)
@@ -175,9 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
     ids = model.chat_prompt(text) if args.chat else model.tokenize(text)
     if len(ids) < 2:
-        raise PromptError(f"--prompt-file: the prompt is {len(ids)} token{'s' * (len(ids) != 1)} long; "
-                          "it needs at least 2 (the prefill node caches all but the last, which the "
-                          "decode node runs itself)")
+        raise _too_short(len(ids))
     limit = model.info.max_positions
     if len(ids) + args.max_new_tokens > limit:
         raise PromptError(f"the prompt has {len(ids)} tokens; with {args.max_new_tokens} new tokens "

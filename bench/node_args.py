@@ -55,6 +55,26 @@ def check_model_arg(args: argparse.Namespace) -> None:
     check_model_path(Path(args.model))
 
 
+def early_prompt_tokens(args: argparse.Namespace, text: str) -> int | None:
+    """``text``'s token count from the tokenizer saved with ``--model`` (or with the default
+    model, once converted), read without torch or the weights; ``None`` when that cannot be
+    told cheaply (:func:`lynx_decode.model.tokens.early_token_count`)."""
+    from lynx_decode.errors import ModelError  # noqa: PLC0415
+    from lynx_decode.model.store import default_gguf_path, existing_converted_dir  # noqa: PLC0415
+    from lynx_decode.model.tokens import early_token_count  # noqa: PLC0415
+
+    try:
+        if args.model is None:
+            directory = existing_converted_dir(default_gguf_path())
+        elif Path(args.model).is_dir():
+            directory = Path(args.model)
+        else:
+            directory = existing_converted_dir(Path(args.model))
+    except (ModelError, OSError):
+        return None  # the model's own load says what is wrong
+    return early_token_count(directory, text)
+
+
 def load_model(args: argparse.Namespace):
     """Load the model offline (the CLI process may set HF_HUB_OFFLINE; the library never does)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -37,8 +37,9 @@ from pathlib import Path
 
 from lynx_decode.errors import ModelError
 
-__all__ = ["DEFAULT_GGUF_NAME", "INSTALL_HINT", "cache_root", "default_gguf_path",
-           "check_model_path", "converted_model_dir", "conversion_estimate_s", "directory_model_id", "quiet_progress"]
+__all__ = ["DEFAULT_GGUF_NAME", "INSTALL_HINT", "cache_root", "default_gguf_path", "check_model_path",
+           "converted_model_dir", "existing_converted_dir", "conversion_estimate_s", "directory_model_id",
+           "quiet_progress"]
 
 log = logging.getLogger(__name__)
 
@@ -156,14 +157,25 @@ def causal_lm_types() -> _Known | None:
     return None
 
 
+def _converted_path(gguf: Path, root: Path | None) -> tuple[Path, str]:
+    digest = _sha256(gguf)
+    return (root or cache_root()) / "models" / f"{gguf.stem}-{digest[:16]}", digest
+
+
+def existing_converted_dir(gguf: Path, root: Path | None = None) -> Path | None:
+    """The directory :func:`converted_model_dir` made from ``gguf`` earlier, or ``None``
+    when there is none yet (nothing is converted here)."""
+    dest, _ = _converted_path(Path(gguf), root)
+    return dest if (dest / MARKER).is_file() else None
+
+
 def converted_model_dir(gguf: Path, root: Path | None = None) -> Path:
     """A plain transformers directory converted from ``gguf``, made once and cached."""
     gguf = Path(gguf)
     if not gguf.is_file():
         raise ModelError(f"the model file {gguf} does not exist")
-    digest = _sha256(gguf)
-    models = (root or cache_root()) / "models"
-    dest = models / f"{gguf.stem}-{digest[:16]}"
+    dest, digest = _converted_path(gguf, root)
+    models = dest.parent
     if (dest / MARKER).is_file():
         return dest
     try:

@@ -1,7 +1,8 @@
 """Every bad ``--model`` and a prompt too short to decode, as a user meets them: a
 real ``lynx serve`` / ``lynx generate`` process, each a clear error naming the
-problem with exit code 2, before any work (no model loaded for a bad path, no
-request sent for a bad prompt), and never an install hint for the default model
+problem with exit code 2, before any work (no model loaded for a bad path or for
+a prompt the model directory's ``tokenizer.json`` counts, no request sent for a
+bad prompt), and never an install hint for the default model
 when the user named a path. That it also comes within seconds is a timing check
 (marked ``timing``)."""
 
@@ -129,6 +130,8 @@ def test_an_empty_or_one_token_prompt_is_refused_at_once(text: str, message: str
     # closed without a byte (a request would have opened the transport's handshake)
     assert len(received) <= 1 and all(data == b"" for data in received), received
     assert not (tmp_path / "out.json").exists()
+    # counted with the directory's tokenizer.json: torch and the weights never loaded
+    assert run.imported == set(), f"imported {sorted(run.imported)}: it loaded the model to count"
     assert run.seconds < GENEROUS_S
 
 
