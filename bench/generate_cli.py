@@ -174,10 +174,10 @@ def run(args: argparse.Namespace) -> int:
     text = _validate(args)
     check_model_arg(args)
     transport_config(args)  # bad flags fail before the model loads
-    if not args.chat and (count := early_prompt_tokens(args, text)) is not None and count < 2:
-        raise _too_short(count)  # ... and so does a prompt too short, where its tokenizer tells cheaply
     waits = timeouts(args)
     probe(server, waits.connect_s)  # ... and so does a prefill node that is not there
+    if not args.chat and (count := early_prompt_tokens(args, text)) is not None and count < 2:
+        raise _too_short(count)  # ... and a prompt too short, where its tokenizer tells without the model
     model = load_model(args)
     from lynx_decode.codec.config import Scheme  # noqa: PLC0415
     from lynx_decode.speculative import DEFAULT_MAX_DRAFT, MissingFull  # noqa: PLC0415
