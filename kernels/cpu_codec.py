@@ -3,12 +3,12 @@ regions (encode), and one pass from the regions to fp32 (decode). Same format,
 bit for bit, as the NumPy reference (``lynx_decode.codec.quant`` /
 ``codec_pack``); fp32 arithmetic one IEEE operation at a time, no FMA.
 
-Why fused and serial. A layer is ~6 MB per tensor; the unfused path ran six
-``parallel=True`` kernels per tensor (min/max, quantize, split, ...), each
-re-reading the tensor, plus NumPy temporaries for the fp16 parameters. Each
-parallel launch waits at a barrier for a worker thread, which on a 2-core box
-shared with the other node (and the transport) costs a scheduler slice, ~8 ms,
-per launch. These kernels instead walk the tensor once, in *units* that stay in
+Why fused and serial. A layer is several MB per tensor; an unfused path would
+run one ``parallel=True`` kernel per stage (min/max, quantize, split, ...), each
+re-reading the tensor, plus NumPy temporaries for the fp16 parameters, and each
+parallel launch waits at a barrier for a worker thread, which on a loaded host
+costs a scheduler slice per launch (docs/design.md, "Measured facts"). These
+kernels instead walk the tensor once, in *units* that stay in
 L1/L2 (one K group of ``k_group`` tokens, or a run of V rows, of one head):
 
 - encode: group extremes -> fp16 scale/zero (rounded down/up exactly like the

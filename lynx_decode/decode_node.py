@@ -274,8 +274,8 @@ class DecodeNode:
         so their reception does not compete with the first model step for the
         CPU; it costs the link the time of that step's last layers and a round
         trip. Off, the residual follows the anchors at once and the verify pass
-        rides on its arrival (measured at 1 Gbit/s, 4k tokens: the same clocks
-        within noise either way; docs/design.md).
+        rides on its arrival; both settings give the same clocks (docs/design.md,
+        "Measured facts").
         """
         request_id = uuid.uuid4().hex
         if isinstance(prompt, str):

@@ -2,9 +2,8 @@
 
 An entry holds the native float32 cache that :meth:`CausalLM.prefill` returns
 (the cache of ``token_ids[:-1]``), keyed by ``(model_id, token ids)``. Encoded
-forms are not stored: encoding a cache with any scheme is fast next to prefill
-(seconds for 4k tokens on a CPU), and one entry then serves every scheme and
-anchor width.
+forms are not stored: encoding a cache with any scheme is fast next to prefill,
+and one entry then serves every scheme and anchor width.
 
 File format (little endian), one file per entry, ``<root>/<key>.kv``::
 

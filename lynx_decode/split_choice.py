@@ -16,17 +16,12 @@ The rule, with ``T`` the INT8 cache's transfer time and ``S`` one decode step:
   INT4's.
 - ``T >= 8 S``: ``3,5``. One anchor bit fewer saves ``T / 8``, at least a step, on
   the tentative clock; the 3-bit anchor's first token is right a little less
-  often (teacher-forced agreement with the fp32 cache 0.887 against the 4-bit
-  anchor's 0.967), and the committed clock is unchanged.
+  often than the 4-bit anchor's, and the committed clock is unchanged.
 
 Two bits (``2,6`` or ``2,2,4``) are never chosen: the 2-bit anchor agrees with the
-fp32 cache on 0.72 of tokens, too few for a first token worth showing.
+fp32 cache on too few tokens for a first token worth showing.
 
-Measured on SmolLM2-135M, 2 threads (docs/design.md, ``lynx sweep``): at 10
-Gbit/s and 1024 tokens (``T`` ~ 10 ms, ``S`` ~ 70 ms) LYNX's committed clock was
-2.1x INT8's first token; at 1 Gbit/s and 4096 tokens (``T`` ~ 0.38 s ~ 4 ``S``) a
-``4,4`` split gives the first tentative token at 1.01x INT4's and the committed
-one at 1.02x INT8's.
+The measurements behind the thresholds: docs/design.md, "Measured facts".
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ __all__ = ["SplitChoice", "choose_split", "NO_SPLIT_STEPS", "THREE_BIT_STEPS", "
 NO_SPLIT_STEPS = 2.0
 #: From this many decode steps of INT8 transfer, a 3-bit anchor.
 THREE_BIT_STEPS = 8.0
-#: The decode step assumed before any was measured (SmolLM2-135M, 4k tokens, 2 threads: ~0.1 s).
+#: The decode step (seconds) assumed before any was measured; docs/design.md, "Measured facts".
 DEFAULT_STEP_S = 0.1
 
 
@@ -65,7 +60,10 @@ class SplitChoice:
 
 def choose_split(int8_bytes: int, rate_gbps: float, step_s: float = DEFAULT_STEP_S) -> SplitChoice:
     """The split for a cache of ``int8_bytes`` (its size at INT8) on a link of
-    ``rate_gbps`` (decimal Gbit/s) when one decode step takes ``step_s``."""
+    ``rate_gbps`` (decimal Gbit/s) when one decode step takes ``step_s`` seconds.
+
+    Raises :class:`CodecError` unless ``int8_bytes``, ``step_s`` and a finite
+    ``rate_gbps`` are all positive."""
     if not int8_bytes > 0:
         raise CodecError(f"int8_bytes must be positive, got {int8_bytes!r}")
     if not (rate_gbps > 0 and rate_gbps != float("inf")):

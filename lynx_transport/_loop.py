@@ -5,31 +5,29 @@ its control sockets and all mutable transport state, and is the only thread
 that touches them. Other threads talk to it through :meth:`IoLoop.call`, which
 runs a function on the loop and returns a :class:`concurrent.futures.Future`.
 
-While UCX requests are pending the loop polls the worker, napping 20 us
-between polls, for as long as work moved within the last 250 us; then it
-arms the worker and sleeps in ``select`` on the worker's epoll fd, the
-control sockets and a wake-up socket until UCX has an event or the next
-deadline. So a fast transfer is polled (waking through epoll costs loopback
-~8 % throughput, measured with ``lynx bench-transport``), while a slow one
-(a shaped link: a chunk every few ms) costs one wake-up per event, not one
-per nap: polling for the whole of a 1 Gbit/s residual transfer took CPU from
-the decode node's first model step on a 2-core box (+20-30 ms at 4k tokens,
-measured with ``lynx sweep``). While requests are pending the sleep is
-capped at 50 ms, so a UCX event that never reaches the fd costs a stall,
-not a hang. A near deadline (the shaper's next token) is slept with
-``time.sleep``, which is precise to ~0.1 ms, where epoll rounds up to whole
-milliseconds; the sockets are read right after it, before the next
-scheduling decision, so a frame that arrived meanwhile (an ACCEPT for an
-anchor) is not held back by the chunk that decision sends (measured here on
-a 1 Gbit/s shaped egress: an anchor's first chunk went ~2 ms, one chunk
-time, after its ACCEPT before, 0.05 ms after). While UCX requests are
-pending, the whole milliseconds of such a wait are slept on the worker's
-epoll fd instead and only the rest with ``time.sleep``: over ``UCX_TLS=tcp``
-UCX moves a chunk's bytes into the socket only when its worker is
-progressed, so a sender that slept through each gap between two tokens sent
-the chunks late under CPU contention (``lynx bench-transport --tls tcp``,
-shaped to 4 Gbit/s on the 2-core box under load: 2.9-3.1 Gbit/s achieved,
-now 3.9-4.0; cma, where the receiver does the copying, is unchanged).
+While UCX requests are pending the loop polls the worker, napping
+``_NAP_S`` (20 us) between polls, for as long as work moved within the last
+``_POLL_WINDOW_S`` (250 us); then it arms the worker and sleeps in ``select``
+on the worker's epoll fd, the control sockets and a wake-up socket until UCX
+has an event or the next deadline. So a fast transfer is polled (waking
+through epoll would cost it throughput), while a slow one (a shaped link: a chunk
+every few ms) costs one wake-up per event, not one per nap, and leaves the CPU
+to the node's model threads. While requests are pending the sleep is capped
+at ``_PENDING_SLEEP_MAX_S`` (50 ms), so a UCX event that never reaches the fd
+costs a stall, not a hang.
+
+A near deadline (the shaper's next token, under ``_PRECISE_SLEEP_S``) is slept
+with ``time.sleep``, because epoll rounds up to whole milliseconds; the
+sockets are read right after it, before the next scheduling decision, so a
+frame that arrived meanwhile (an ACCEPT for an anchor) is not held back by the
+chunk that decision sends. While UCX requests are pending, the whole
+milliseconds of such a wait are slept on the worker's epoll fd instead and
+only the rest with ``time.sleep``: over ``UCX_TLS=tcp`` UCX moves a chunk's
+bytes into the socket only while its worker is progressed, so a sender that
+slept through each gap between two tokens would send its chunks late under
+CPU contention (cma, where the receiver does the copying, is unaffected).
+
+Measured facts behind these constants: docs/design.md, "Measured facts".
 """
 
 from __future__ import annotations

@@ -18,113 +18,99 @@ MIN_SECRET_BYTES = 16
 
 @dataclasses.dataclass(frozen=True)
 class TransportConfig:
-    """Settings shared by senders and receivers.
+    """Settings shared by senders and receivers; validated on construction.
+
+    Sizes are bytes, times seconds, rates :class:`Rate`. A value out of the
+    range given below raises ``ValueError``.
 
     chunk_bytes:
-        Regions are cut into chunks of this size; an anchor chunk waits behind at
-        most ``max_inflight_bytes`` of residual, and a shaped link interleaves
-        lanes at this granularity. Smaller chunks lower anchor latency under
-        load, larger ones cost less per byte.
+        Chunk size regions are cut into, in ``[MIN_CHUNK_BYTES,
+        MAX_CHUNK_BYTES]`` (default 1 MiB); also the granularity at which a
+        shaped link interleaves lanes. Smaller chunks lower anchor latency
+        under load, larger ones cost less per byte.
     max_inflight_bytes:
-        Bytes handed to UCX and not yet completed, per sending egress (all the
+        Most bytes handed to UCX and not yet completed per sending egress (all
         connections of one :class:`~lynx_transport.egress.Egress` together; a
-        connection from ``connect`` has an egress of its own): the most an
-        anchor chunk can wait behind. A receive rail takes the chunks it has
-        been told of in one batch and confirms them together, so the window
-        drains and refills in bursts; 32 MiB (16 MiB per rail) keeps both rails
-        busy on 64 MiB loopback streams (measured here, 1 MiB chunks, 2 rails,
-        interleaved: 67-78 Gbit/s with 16 MiB in flight, 83-109 with 32). Lower
-        it for tighter anchor latency on slow unshaped links (32 MiB is 27 ms at
-        10 Gbit/s); a shaped link holds it to the shaper's burst anyway.
+        connection from ``connect`` has an egress of its own); >= 1, default
+        32 MiB. The most an anchor chunk can wait behind. Receive rails confirm
+        chunks in batches, so it should cover several chunks per rail. Lower it
+        for tighter anchor latency on slow unshaped links; a shaped link holds
+        it to the shaper's burst anyway.
     heartbeat_interval_s / peer_timeout_s:
-        Each side sends a heartbeat when it has been silent for
-        ``heartbeat_interval_s``, from a thread that does nothing else, and
-        declares the peer lost (``PeerDisconnectedError``) after no sign of life
-        from it (a frame, a byte waiting in the control socket, a data chunk
-        landing) for ``peer_timeout_s``. That limit only catches a hung peer or
-        a partitioned link; a peer whose process died is noticed at once, by its
-        closed connection or a UCX endpoint error, whatever the limit. The
-        default of 30 s is far above what a busy but healthy process goes quiet
-        for (a CPU-starved node on a loaded host).
+        A side silent for ``heartbeat_interval_s`` (default 0.25) sends a
+        heartbeat, from a thread that does nothing else; a peer with no sign of
+        life (a frame, a byte waiting in the control socket, a data chunk
+        landing) for ``peer_timeout_s`` (default 30) is lost
+        (``PeerDisconnectedError``). Needs ``0 < heartbeat_interval_s <
+        peer_timeout_s``. The limit catches a hung peer or a partitioned link
+        only: a dead process is noticed at once (closed connection, UCX
+        endpoint error). Keep it well above what a CPU-starved but healthy
+        process goes quiet for.
     ucx_tls:
-        UCX transports (``UCX_TLS`` syntax), given to the UCX context (never
-        written to the environment). The default is everything except UCX's
-        shared-memory FIFOs (``posix``, ``sysv``): on one host the bulk data
-        then moves by ``cma`` single-copy reads and the small rendezvous
-        messages over tcp loopback; across hosts UCX picks rc/ud/tcp as usual.
-        Measured here: with ``posix``/``sysv`` enabled a receiver whose sender
-        was SIGKILLed mid-transfer segfaulted inside UCX about once in ten runs
-        (0 in 22 without them), at no gain in throughput; ``^cma`` (shared-memory
-        fragments) needs both sides polling and collapsed under CPU
-        contention. ``cma`` needs ptrace permission between the two processes
+        UCX transports (``UCX_TLS`` syntax, non-empty), given to the UCX
+        context, never written to the environment. Default ``"^posix,sysv"``:
+        all but UCX's shared-memory FIFOs, which were unstable when a sender
+        died mid-transfer; on one host bulk data then moves by ``cma``
+        single-copy reads, which need ptrace permission between the processes
         (same user; ``kernel.yama.ptrace_scope`` <= 1). A receiver bound to a
-        loopback address also limits UCX to ``NET_DEVICES=lo``, so its worker
-        is not reachable from other hosts either.
+        loopback address also limits UCX to ``NET_DEVICES=lo``.
     ucx_net_devices:
-        UCX network devices (``UCX_NET_DEVICES`` syntax, e.g. ``"veth0"``), given to
-        the UCX context like ``ucx_tls``. ``None`` (default): ``lo`` for a
-        receiver bound to a loopback address, else every device. Pin it (with
-        ``ucx_tls="tcp"``) to keep data on one interface, e.g. an emulated link.
+        UCX network devices (``UCX_NET_DEVICES`` syntax, e.g. ``"veth0"``),
+        non-empty, given to the UCX context like ``ucx_tls``. ``None``
+        (default): ``lo`` for a receiver bound to a loopback address, else
+        every device. Pin it (with ``ucx_tls="tcp"``) to keep data on one
+        interface, e.g. an emulated link.
     link_rate / lane_rates:
-        Initial shaping on the sender side. For an ``Egress``, the node's
-        egress: one rate for all its peers together (change it with
-        ``Egress.set_link_rate`` / ``set_lane_rate``). For a connection from
-        ``connect``, that connection (``Connection.set_link_rate`` /
-        ``set_lane_rate``).
+        Initial sender-side shaping (default none; ``lane_rates`` pairs a lane
+        with a :class:`Rate`). For an ``Egress``, one rate for all its peers
+        together (``Egress.set_link_rate`` / ``set_lane_rate``); for a
+        connection from ``connect``, that connection
+        (``Connection.set_link_rate`` / ``set_lane_rate``).
     lane_policy:
         Sender side: which stream goes next within one lane, across every
         stream of every connection of an egress (:class:`LanePolicy`: ``FIFO``
-        by arrival, ``SRF`` shortest remaining first, ``DRR`` deficit
-        round-robin with a one-chunk quantum). Lanes keep strict priority
-        whatever the policy. FIFO is the default because it gave the best P99
-        time to first token (measured with ``lynx load --decode sink --schemes
-        int8,lynx --bandwidth 1 --context 4096 --decode-nodes 3 --load 0.8
-        --requests 80 --lane-policy P``, one run each, same arrivals): p99
-        ttft int8 / lynx FIFO 1.80 / 0.73 s, SRF 3.07 / 0.69 s, DRR 2.52 /
-        0.87 s; p99 full cache lynx FIFO 2.70, SRF 4.28, DRR 3.84 s. SRF
-        helps the median but starves the big streams at the tail; DRR makes
-        every stream on a lane finish late.
+        by arrival, the default and best at the P99 time to first token;
+        ``SRF`` shortest remaining first; ``DRR`` deficit round-robin, a
+        one-chunk quantum). Lanes keep strict priority whatever the policy.
     manifest_limits:
         What a receiver accepts (and what a sender checks before sending).
+    pool_wait_s:
+        A stream that does not fit in the receive pool waits up to this long
+        (>= 0, default 2) for space before it is rejected
+        (``PoolExhaustedError`` at the sender); 0 rejects at once.
     secret:
-        Optional shared secret (bytes, at least 16). When set, the control
-        handshake is a mutual HMAC-SHA256 challenge-response (see
-        :mod:`lynx_transport._auth`): a receiver refuses (``DENIED``, logged
-        with the peer address) a sender without it before exposing its UCX
-        worker address or any pool memory, and a sender refuses
-        (``AuthenticationError``) a receiver that cannot prove it. Never part
-        of ``repr`` or any log line.
+        Optional shared secret (bytes, at least :data:`MIN_SECRET_BYTES`;
+        default ``None``). When set, the handshake is a mutual HMAC-SHA256
+        challenge-response (:mod:`lynx_transport._auth`): a receiver refuses
+        (``DENIED``, logged with the peer address) a sender without it before
+        exposing its UCX worker address or any pool memory, and a sender
+        refuses (``AuthenticationError``) a receiver that cannot prove it.
+        Never in ``repr`` or any log line.
     handshake_timeout_s:
         A receiver drops a connection that has not finished the handshake
-        (HELLO, and PROOF when a secret is set) within this time.
+        (HELLO, and PROOF when a secret is set) within this time (> 0,
+        default 5).
     verify_chunks:
-        Receiver side: ask senders for a CRC32 of every chunk on the control
-        channel (``CHUNK_SUM``) and count a chunk as landed only when the
-        bytes in the pool match it. UCX does not report how many bytes a
-        tagged receive got, so without this a sender that sends a short chunk
-        would leave stale pool bytes counted as landed. Costs a CRC32 of
-        every byte on both sides (host memory; device chunks are copied).
+        Receiver side (default off): ask senders for a CRC32 of every chunk
+        (``CHUNK_SUM``) and count a chunk as landed only when the pool bytes
+        match it; UCX does not report a tagged receive's length, so without it
+        a short chunk leaves stale pool bytes counted as landed. Costs a CRC32
+        of every byte on both sides (device chunks are copied to host for it).
     thread_nice:
-        Added to the niceness of the transport's own threads (the I/O thread
-        and the callback thread) when they start, like ``nice -n``; 0 leaves
-        them alone. A positive value needs no privilege and lets other
-        threads win the CPU on a busy host, at the cost of the transport's
-        latency; negative values need ``CAP_SYS_NICE``. Measured on a 2-core
-        box (``lynx sweep``, 1 Gbit/s, 4k tokens): +5 on the decode node helped
-        the first token when the first model step began after the last anchor
-        (0.326 -> 0.316 s), and hurt once the step overlapped the transfer
-        (0.238 -> 0.249 s: anchor reception and dequantization are then on
-        the critical path), so the decode node keeps 0.
+        Added to the niceness of the transport's I/O and callback threads when
+        they start, like ``nice -n``; an int in ``[-39, 39]``, default 0 (left
+        alone). Positive values need no privilege and yield the CPU to other
+        threads at the cost of transport latency (on the critical path when
+        the first model step overlaps the transfer, so the decode node keeps
+        0); negative values need ``CAP_SYS_NICE``.
     rails:
         Receiver side: UCX workers a stream's chunks are spread over (chunk
         ``i`` on rail ``i % rails``), each progressed by its own thread (the
-        I/O thread runs rail 0). Over ``cma`` the receiver's progress does the
-        copy, so two rails copy on two cores; senders make one endpoint per
-        rail (the receiver's WELCOME lists them). 1 keeps one thread.
-    pool_wait_s:
-        Back-pressure: a stream that does not fit in the receive pool waits up
-        to this long for released space before it is rejected
-        (``PoolExhaustedError`` at the sender); 0 rejects at once.
+        I/O thread runs rail 0); an int in ``[1, MAX_RAILS]``, default 2. Over
+        ``cma`` the receiver's progress does the copy, so two rails copy on two
+        cores. Senders make one endpoint per rail (listed in WELCOME).
+
+    The measurements behind these defaults: docs/design.md, "Measured facts".
     """
 
     chunk_bytes: int = 1 << 20

@@ -275,7 +275,7 @@ def connect(address: tuple[str, int], *, timeout: float = 5.0,
     The connection gets an egress of its own (one I/O thread and UCX worker,
     stopped by :meth:`Connection.close`); ``config.link_rate``/``lane_rates``
     shape it. ``timeout`` bounds the TCP connect and, again, the handshake; UCX
-    starts in between (a process's first start takes about a second). Raises
+    starts in between (slow the first time in a process). Raises
     :class:`ConnectError` if nobody listens, the handshake fails, or either step
     does not finish within ``timeout`` seconds; :class:`AuthenticationError`
     (a ``ConnectError``) when ``config.secret`` and the receiver's disagree.
@@ -283,8 +283,8 @@ def connect(address: tuple[str, int], *, timeout: float = 5.0,
     config = config if config is not None else TransportConfig()
     clock = clock if clock is not None else MonotonicClock()
     sock = open_control(address, timeout)
-    # UCX starts before HELLO: a process's first UCX context takes ~1 s (more on a
-    # loaded host), and once it has sent WELCOME the receiver counts silence
+    # UCX starts before HELLO: a process's first UCX context is slow to create, and
+    # once it has sent WELCOME the receiver counts silence
     try:
         worker = UcxWorker(config.ucx_tls, config.ucx_net_devices or "all")
     except BaseException:

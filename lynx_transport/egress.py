@@ -54,8 +54,8 @@ class Egress:
     """A sending node's egress: one I/O thread, scheduler and shaper for all its connections.
 
     ``config`` applies to every connection made through it; its ``link_rate``
-    and ``lane_rates`` shape the egress as a whole. Starts UCX at once (a
-    process's first start takes about a second). See the module docstring.
+    and ``lane_rates`` shape the egress as a whole. Starts UCX at once (slow
+    the first time in a process). See the module docstring.
     """
 
     def __init__(self, config: TransportConfig | None = None, *, clock: Clock | None = None) -> None:

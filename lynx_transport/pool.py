@@ -74,8 +74,8 @@ class ReceivePool:
         #: CUDA device id of a CUDA pool (``None`` for host memory).
         self.device: int | None = None
         if self.memory is PoolMemory.HOST:
-            # Touch every page now: a first write during a transfer would take
-            # a page fault per 4 KiB and cut the receive rate several-fold.
+            # Touch every page now, so no transfer pays a first-touch page fault
+            # per 4 KiB page (that cuts the receive rate; docs/design.md).
             self.buffer: Any = host_buffer(nbytes, touch=True)
             self._base = int(self.buffer.ctypes.data)
         else:

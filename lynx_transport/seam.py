@@ -175,8 +175,8 @@ class Transport(Protocol):
         """A shared egress for a sending node with several receivers: one scheduler
         and one egress shaper for every connection made through it (``config``
         applies to each; its ``link_rate``/``lane_rates`` shape the egress as a
-        whole). Any thread; starts the egress at once (UCX: a process's first
-        start takes about a second); the caller closes it."""
+        whole). Any thread; starts the egress at once (UCX: slow the first time
+        in a process); the caller closes it."""
 
     def listen(self, pool: ReceivePool, *, host: str = "127.0.0.1", port: int = 0,
                config: TransportConfig | None = None,

@@ -22,50 +22,24 @@ Format (per layer, ``[kv_heads, tokens, head_dim]`` K and V):
 
 Where regions sit is described by :class:`LayerLayout` (:mod:`lynx_decode.codec.layout`).
 
-Choice of split. Anchor-only relative error ``||x - x_hat|| / ||x||``, mean over
-the 30 layers of SmolLM2-135M-Instruct on a 2048-token English prompt (fp32, K
-after RoPE, groups 64/64). Command:
-``pytest -m "bench and model" tests/bench/test_codec_bench.py -s -p no:randomly``::
-
-    b  split              anchor K   anchor V   anchor+residual (= INT8) K / V
-    2  MSB (occ-mean)     17.40 %    40.61 %    0.259 % / 0.605 %
-    2  MSB (centre)       17.21 %    40.34 %
-    2  ROUNDED            22.25 %    51.37 %    0.343 % / 0.802 %
-    3  MSB (occ-mean)      8.55 %    19.80 %    0.259 % / 0.605 %
-    3  MSB (centre)        8.62 %    20.15 %
-    3  ROUNDED             9.42 %    22.05 %    0.294 % / 0.687 %
-    4  MSB (occ-mean)      4.20 %     9.76 %    0.259 % / 0.605 %
-    4  MSB (centre)        4.29 %    10.05 %
-    4  MSB (1 << (r-1))    4.32 %    10.11 %
-    4  ROUNDED             4.41 %    10.32 %    0.274 % / 0.642 %
-    5  MSB (occ-mean)      2.08 %     4.85 %    0.259 % / 0.605 %
-    5  MSB (centre)        2.14 %     5.00 %
-    5  ROUNDED             2.17 %     5.08 %    0.266 % / 0.621 %
-    6  MSB (occ-mean)      1.04 %     2.42 %    0.259 % / 0.605 %
-    6  MSB (centre)        1.06 %     2.47 %
-    6  MSB (1 << (r-1))    1.15 %     2.69 %
-    6  ROUNDED             1.14 %     2.66 %    0.261 % / 0.611 %
-
-MSB keeps the plain full-range INT8 grid (ROUNDED's stretched grid also costs
-full-INT8 accuracy) and wins at every b, so it is the default; ``Split.ROUNDED``
-(QuantSpec-style) stays selectable for the speculative-decoding comparison. Its
-interior bins take the centre of the missing bits, code ``a * 2**r + (2**r - 1)/2``
-(slightly better than the integer midpoint ``(a << r) | (1 << (r-1))``).
+Choice of split. ``Split.MSB`` (the default) keeps the plain full-range INT8
+grid, so all planes decode to exactly the INT8 scheme's codes; ``Split.ROUNDED``
+(QuantSpec-style, a stretched grid that also costs full-INT8 accuracy) stays
+selectable for the speculative-decoding comparison. On the MSB grid interior
+bins take the centre of the missing bits, code ``a * 2**r + (2**r - 1)/2``.
 
 Reconstruction of the end bins: *occ-mean*. On the MSB grid every group's
 extremes sit at codes 0 and 255, so a group's bottom (top) bin holding ``n`` of
 its members holds its min (max) at the edge and ``n - 1`` others, and is rebuilt
-at ``(edge + (n-1) * centre) / n`` (a lone extreme exactly, as INT8 has it). The
-relative error barely moves (above), but attention leans on the extremes: drafting
-on real text with 4-bit anchors (``.venv/bin/python -m lynx_bench.anchor_quality``,
-teacher-forced, ``bench/anchor_quality.py``), top-1 agreement with fp32 0.967
-(INT4 0.967, centre 0.936), KL to fp32 0.0068 (INT4 0.0074, centre 0.0178), and
-greedy acceptance of 8-token drafts against the INT8 cache 0.857 (INT4 0.814,
-centre 0.745); best or near-best of the rules measured at every prefix width
-2..7. The 8-bit codes and the full decode are unchanged, and no bytes are added.
-ROUNDED keeps its own anchor-only rule (the rounded b-bit level) and the centre
-for longer prefixes: its grid puts the extremes inside the end bins, not on their
-outer edges.
+at ``(edge + (n-1) * centre) / n`` (a lone extreme exactly, as INT8 has it).
+Attention leans on the extremes, so this matters more to drafting than to the
+relative error. The 8-bit codes and the full decode are unchanged, and no bytes
+are added. ROUNDED keeps its own anchor-only rule (the rounded b-bit level) and
+the centre for longer prefixes: its grid puts the extremes inside the end bins,
+not on their outer edges.
+
+The measurements behind these choices (error per split and rule, drafting
+quality per rule): docs/design.md, "Measured facts".
 """
 
 from __future__ import annotations

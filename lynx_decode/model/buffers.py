@@ -210,9 +210,11 @@ class KVBuffers:
         self.mark_written(index)
 
     def prefault(self) -> KVBuffers:
-        """Touch every page of the storage now (``np.zeros`` maps pages lazily, and the
-        first write to each costs a page fault: ~20 ms per 3 MB layer on a VM), so a
-        caller that prepares buffers ahead of time keeps that cost off the clock."""
+        """Touch every page of the storage now and return ``self``.
+
+        ``np.zeros`` maps pages lazily and the first write to each costs a page
+        fault, so a caller that prepares buffers ahead of time keeps that cost
+        off the clock."""
         for storage in (self.storage_keys, self.storage_values):
             for block in ([storage] if isinstance(storage, np.ndarray) else storage):
                 block.fill(0.0)

@@ -23,7 +23,7 @@ and the tokenizer once per model directory (:mod:`lynx_decode.model.identity`,
 cached on disk); ``info.fingerprint`` goes on the wire.
 
 Attention: :mod:`lynx_decode.model.attention` (torch SDPA with grouped K/V
-heads, never repeated; bit-equal to transformers' ``sdpa``, ~2x faster on the
+heads, never repeated; bit-equal to transformers' ``sdpa``, faster on the
 multi-token verification pass).
 
 Threads: a forward pass over a cache that is still arriving (``cache_from(kv,
@@ -32,11 +32,10 @@ wait=...)``: the decode node's first step, overlapped with the transfer) runs on
 least one) while some layer is still missing, leaving a core to the threads
 that receive and dequantize them, and on all of torch's threads once every
 layer is in (checked before each layer); torch's setting is restored when the
-pass returns. On a 2-core box that is one thread while the cache arrives: the
-first token at 4k tokens came 20-60 ms sooner for every scheme at 1 Gbit/s and
-~30 ms sooner at 10 (``lynx sweep``, interleaved). ``torch.set_num_threads`` is
-process-wide, so do not run other torch work in the same process during a
-decode.
+pass returns (on a 2-core host: one thread while the cache arrives, which
+brings the first token sooner; docs/design.md, "Measured facts").
+``torch.set_num_threads`` is process-wide, so do not run other torch work in the
+same process during a decode.
 
 torch and transformers are imported lazily, inside functions.
 """

@@ -17,7 +17,7 @@ Three parts, each a SHA-256 (hex, 32 digits kept):
   its vocabulary and special tokens): the prompt's ids are the prefill node's
   and the text is the decode node's, so both must read ids alike.
 
-Hashing the weights reads every byte of them (about 0.3 s per 100 MB here), so a
+Hashing the weights reads every byte of them, so a
 fingerprint is computed once per model directory and cached on disk (JSON under
 ``<cache root>/fingerprints/``, keyed by the directory's id, which changes when
 any of its files does; see ``store.directory_model_id``) and in memory on the

