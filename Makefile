@@ -52,9 +52,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 # The wall-clock checks (marked `timing`, out of the default run): rates, latencies, a fast start.
-# The summary lists each measured value with its bound, passed or failed. .ci/run runs it apart.
+# The summary lists each measured value with its bound, passed or failed. .ci/run runs it apart
+# (TIMING_ARGS=--last-failed: only the checks that failed last time).
 test-timing: $(STAMP)
-	$(BIN)/python -m pytest -m timing -p no:randomly -rA tests
+	$(BIN)/python -m pytest -m timing -p no:randomly -rA $(TIMING_ARGS) tests
 
 # ruff and mypy, configured in pyproject.toml
 lint: $(STAMP)
