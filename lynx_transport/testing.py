@@ -11,6 +11,7 @@ the UCX transport (:mod:`lynx_transport.seam`), for fast tests of the layers abo
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -108,6 +109,8 @@ class PeerFailed(AssertionError):
 
 
 def _child(target: Any, conn: multiprocessing.connection.Connection, args: tuple) -> None:
+    # SIGUSR1 writes every thread's stack to stderr: the parent asks for it when a reply is late
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         target(conn, *args)
     except BaseException:  # noqa: BLE001 - forwarded to the parent
@@ -134,8 +137,12 @@ class PeerProcess:
 
     def reply(self, timeout: float) -> Any:
         if not self._conn.poll(timeout):
-            raise PeerFailed(f"no reply from the child within {timeout} s "
-                             f"(alive={self.process.is_alive()})")
+            alive = self.process.is_alive()
+            if alive and self.process.pid is not None:
+                os.kill(self.process.pid, signal.SIGUSR1)  # its threads' stacks, on its stderr
+                time.sleep(1.0)
+            where = "; the stacks of its threads are on its stderr" if alive else ""
+            raise PeerFailed(f"no reply from the child within {timeout} s (alive={alive}{where})")
         kind, value = self._conn.recv()
         if kind == "error":
             raise PeerFailed(f"the child process failed:\n{value}")
