@@ -66,7 +66,7 @@ from lynx_bench.load import (
 )
 from lynx_bench.node_args import add_timeout_arguments, timeout_argv, timeouts
 from lynx_bench.processes import Child, ChildError
-from lynx_bench.progress import progress_bar
+from lynx_bench.progress import Progress, progress_bar
 from lynx_bench.sweep_config import SCHEMES, LinkMode, parse_floats
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import ConfigError
@@ -204,8 +204,10 @@ class _Nodes:
     def send(self, node: int, jobs: list[dict[str, Any]]) -> None:
         self.decoders[node].send(json.dumps({"jobs": jobs}))
 
-    def gather(self, want: set[str], deadline: float, what: str, bar: Any = None) -> dict[str, dict[str, Any]]:
-        """The results of the requests ``want``, waiting until ``deadline`` (monotonic)."""
+    def gather(self, want: set[str], deadline: float, what: str, bar: Progress | None = None, *,
+               timed: bool = True) -> dict[str, dict[str, Any]]:
+        """The results of the requests ``want``, waiting until ``deadline`` (monotonic); each
+        one an item of ``bar`` (``timed``: its time counts towards the bar's estimate)."""
         got: dict[str, dict[str, Any]] = {}
         while len(got) < len(want):
             left = deadline - time.monotonic()
@@ -222,7 +224,7 @@ class _Nodes:
             if rid in want and rid not in got:
                 got[rid] = item
                 if bar is not None:
-                    bar.update()
+                    bar.update(timed=timed)
         if self.serve.proc.poll() is not None:
             raise ChildError(f"the prefill node exited with code {self.serve.proc.returncode}; "
                              f"see {self.serve.log_path}")
@@ -314,13 +316,15 @@ def _job(rid: str, scheme: str, prompt: int, send_unix: float, config: LoadConfi
 
 
 def _one(nodes: _Nodes, config: LoadConfig, rid: str, node: int, scheme: str, prompt: int,
-         bandwidth: float | None, bar: Any = None) -> dict[str, Any]:
+         bandwidth: float | None, bar: Progress | None = None) -> dict[str, Any]:
+    """One request, alone (a warm-up: its time is not counted towards the bar's estimate)."""
     nodes.send(node, [_job(rid, scheme, prompt, time.time(), config, bandwidth)])
-    return nodes.gather({rid}, time.monotonic() + config.request_timeout_s + GRACE_S, rid, bar)[rid]
+    return nodes.gather({rid}, time.monotonic() + config.request_timeout_s + GRACE_S, rid, bar,
+                        timed=False)[rid]
 
 
 def _warm_up(nodes: _Nodes, config: LoadConfig, bandwidth: float | None, int8_bytes: int,
-             bar: Any) -> list[dict[str, Any]]:
+             bar: Progress) -> list[dict[str, Any]]:
     """Every prompt once as INT8 (its prefill is then cached), every decode node and
     every scheme at least once (connections made, code paths warm)."""
     plan = [(p % config.decode_nodes, "int8", p) for p in range(config.prompts)]
@@ -342,7 +346,7 @@ def _warm_up(nodes: _Nodes, config: LoadConfig, bandwidth: float | None, int8_by
 
 def _phase(nodes: _Nodes, config: LoadConfig, number: int, scheme: str, load: float, rate: float,
            arrivals: tuple[Arrival, ...], bandwidth: float | None,
-           bar: Any) -> tuple[list[RequestRow], dict[str, Any]]:
+           bar: Progress) -> tuple[list[RequestRow], dict[str, Any]]:
     t_zero = time.time() + START_LEAD_S
     per_node: dict[int, list[dict[str, Any]]] = {}
     node_of: dict[str, int] = {}
@@ -412,15 +416,16 @@ def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, co
     rows: list[RequestRow] = []
     phases: list[dict[str, Any]] = []
     try:
+        bar.phase(f"starting the prefill node and {config.decode_nodes} decode nodes")
         with _start(config, shape, logs) as nodes:
-            bar.set_postfix_str("warm-up (prefills)")
+            bar.phase(f"warm-up: {config.prompts} prefills of {config.context} tokens, every node and scheme")
             recorded["warm_up"] = _warm_up(nodes, config, None, int8_bytes, bar)
             number = 0
             for load, rate in plan:
                 arrivals = poisson_arrivals(rate, config.requests, config.seed,
                                             decode_nodes=config.decode_nodes, prompts=config.prompts)
                 for scheme in config.schemes:
-                    bar.set_postfix_str(f"{scheme} load {load:.2f} ({rate:.2f} req/s)")
+                    bar.phase(f"{scheme} load {load:.2f} ({rate:.2f} req/s)")
                     got, info = _phase(nodes, config, number, scheme, load, rate, arrivals, per_request, bar)
                     rows += got
                     phases.append(info)

@@ -238,13 +238,19 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
     results: list[tuple[_Job, dict[str, Any]]] = []
     model_id = None
     runs = (config.out / "runs.jsonl").open("w", encoding="utf-8")
+    prefilled: set[tuple[int, int]] = set()  # (context, prompt): the prefill node holds its prefill
     try:
         for group_bw, jobs in all_jobs:
+            link = "" if group_bw is None else f" behind a {group_bw:g} Gbit/s link"
+            bar.phase(f"starting the prefill and decode nodes{link} (model load, kernels)")
             with _nodes(config, group_bw, logs) as (worker, ready):
                 model_id = ready["model_id"]
                 config.validate(max_context=int(ready["max_positions"]))
                 for job in jobs:
-                    bar.set_postfix_str(f"{job.scheme} {job.bandwidth_gbps or 'ref'} Gbit/s ctx {job.context}")
+                    label = f"{job.scheme} {job.bandwidth_gbps or 'ref'} Gbit/s ctx {job.context}"
+                    first = (job.context, job.prompt_id) not in prefilled
+                    prefilled.add((job.context, job.prompt_id))
+                    bar.phase(f"prefill of {job.context} tokens, then {label}" if first else label)
                     worker.send(json.dumps(_request(config, job)))
                     out = json.loads(worker.expect("RESULT", RUN_TIMEOUT_S))
                     if "error" in out:
@@ -252,7 +258,7 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
                     results.append((job, out))
                     runs.write(json.dumps({"job": dataclasses.asdict(job), **out}) + "\n")
                     runs.flush()
-                    bar.update()
+                    bar.update(timed=job.recorded and not first)  # a prefill's time says nothing of a run's
     finally:
         runs.close()
         bar.close()

@@ -101,16 +101,18 @@ def run(model_dir: Path, out: Path, *, tokens: int = 2048, new_tokens: int = 16,
                  extra={"port": port, "bandwidth_gbps": bandwidth_gbps}),
             dict(python=python, model=model_dir, connector="lynx", role="kv_consumer", log=out / "consumer.log",
                  extra={"stats_path": str(stats_path)}))
-        bar.update(2)
+        bar.update(2, timed=False)  # start-up and warm-ups say nothing of a measured step's time
         with producer, consumer:
             # warm up both instances and every scheme's path (JIT, connections), off the clock
+            bar.phase("warm-up: every scheme's path")
             warm_params = _checked(producer.prefill(warm), "producer warm-up")["kv_transfer_params"]
             for scheme in SCHEMES:
                 _checked(consumer.generate(warm, 2, kv_transfer_params=_with_scheme(warm_params, scheme)),
                          f"consumer warm-up ({scheme})")
-            bar.update(1)
+            bar.update(1, timed=False)
+            bar.phase(f"warm-up: a prefill of {len(ids)} tokens")
             _checked(producer.prefill(ids), "producer warm-up at full length")
-            bar.update(1)
+            bar.update(1, timed=False)
             prefills: list[float] = []
             for _ in range(repeats):
                 held = _checked(producer.prefill(ids), "producer prefill")  # held again, each round
