@@ -119,6 +119,16 @@ class VllmNode:
         self.send(cmd)
         return self._answer(timeout_s + 10, f"answer {rid}")
 
+    def batch(self, requests: Sequence[dict[str, Any]], *, stop_after: str | None = None, then_tokens: int = 0,
+              timeout_s: float = 300.0) -> dict[str, Any]:
+        """Several greedy requests in the instance at once (``op: batch`` of :mod:`lynx_bench.vllm_nodes`:
+        each request ``{"id", "prompt_ids", "max_tokens"}``, optionally ``"kv_transfer_params"`` and
+        ``"after": [id, n]``); the answer's ``results`` by request id, with each token's arrival time."""
+        cmd = {"op": "batch", "id": f"b{next(self._ids)}", "requests": list(requests), "stop_after": stop_after,
+               "then_tokens": then_tokens, "timeout_s": timeout_s}
+        self.send(cmd)
+        return self._answer(timeout_s + 10, f"answer {cmd['id']}")
+
     def prefill(self, prompt_ids: Sequence[int], *, timeout_s: float = 300.0) -> dict[str, Any]:
         """A producer's side of a hand-off: a one-token request sent with ``kv_transfer_params``
         ``{"do_remote_decode": true}`` (vLLM's convention; a LynxConnector producer holds no other

@@ -14,6 +14,13 @@ stderr):
     ``started_at`` / ``first_token_at`` / ``finished_at`` (wall clock) and
     ``ttft_s`` (from the request's submission to its first output token: the
     consumer's clock, queueing and any KV load included) and ``e2e_s``.
+``{"op": "batch", "requests": [{"id", "prompt_ids", "max_tokens", "kv_transfer_params", "after"}, ...], ...}``
+    several greedy requests in the engine at once: each is submitted at once, or
+    (``"after": [id, n]``) once request ``id`` has ``n`` tokens; once request ``"stop_after"``
+    finished, every other one still running is aborted after ``"then_tokens"``
+    more tokens. The answer has ``results`` by request id, each as ``generate``
+    answers plus ``token_times`` (the wall clock at which each token came) and
+    ``aborted``.
 ``{"op": "quit"}``
     shuts the engine down and exits.
 
@@ -90,6 +97,68 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
             "e2e_s": finished - started, "error": None}
 
 
+def _batch(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    engine = llm.llm_engine
+    state: dict[str, dict[str, Any]] = {}
+    waiting = [r for r in cmd["requests"] if r.get("after")]
+
+    def submit(r: dict[str, Any]) -> None:
+        extra = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
+        params = SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0, ignore_eos=True, extra_args=extra)
+        state[str(r["id"])] = {"started_at": time.time(), "token_ids": [], "token_times": [], "final": None,
+                               "finished_at": None, "aborted": False}
+        engine.add_request(str(r["id"]), TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), params)
+
+    for r in cmd["requests"]:
+        if not r.get("after"):
+            submit(r)
+    stop_after, then = cmd.get("stop_after"), int(cmd.get("then_tokens", 0))
+    marks: dict[str, int] | None = None
+    timeout_s = float(cmd.get("timeout_s", 300))
+    deadline = time.monotonic() + timeout_s
+    while engine.has_unfinished_requests() or waiting:
+        for out in engine.step():
+            s = state.get(out.request_id)
+            if s is None:
+                continue
+            now = time.time()
+            ids = list(out.outputs[0].token_ids) if out.outputs else []
+            s["token_times"].extend([now] * (len(ids) - len(s["token_ids"])))
+            s["token_ids"] = ids
+            if out.finished:
+                s["final"], s["finished_at"] = out, now
+        for r in list(waiting):
+            dep, n = r["after"]
+            if dep in state and (len(state[dep]["token_ids"]) >= int(n) or state[dep]["finished_at"] is not None):
+                submit(r)
+                waiting.remove(r)
+        if stop_after in state and state[stop_after]["finished_at"] is not None:
+            if marks is None:
+                marks = {rid: len(s["token_ids"]) for rid, s in state.items() if s["finished_at"] is None}
+            due = [rid for rid, m in marks.items()
+                   if state[rid]["finished_at"] is None and len(state[rid]["token_ids"]) >= m + then]
+            if due:
+                engine.abort_request(due)
+                for rid in due:
+                    state[rid]["aborted"], state[rid]["finished_at"] = True, time.time()
+        if time.monotonic() > deadline:
+            engine.abort_request([rid for rid, s in state.items() if s["finished_at"] is None])
+            return {"id": cmd.get("id"), "error": f"the batch did not finish within {timeout_s:g} s"}
+    results = {}
+    for rid, s in state.items():
+        final = s["final"]
+        times = s["token_times"]
+        results[rid] = {"id": rid, "token_ids": s["token_ids"], "token_times": times, "aborted": s["aborted"],
+                        "finish_reason": "abort" if final is None else final.outputs[0].finish_reason,
+                        "kv_transfer_params": None if final is None else final.kv_transfer_params,
+                        "started_at": s["started_at"], "first_token_at": times[0] if times else None,
+                        "finished_at": s["finished_at"], "error": None}
+    return {"id": cmd.get("id"), "results": results, "error": None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lynx_bench.vllm_nodes", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -116,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if cmd.get("op") == "quit":
             break
         try:
-            _say(_generate(llm, cmd))
+            _say(_batch(llm, cmd) if cmd.get("op") == "batch" else _generate(llm, cmd))
         except Exception as exc:  # noqa: BLE001 - the driver hears every failure as an answer
             _say({"id": cmd.get("id"), "error": f"{type(exc).__name__}: {exc}"})
     del llm

@@ -25,14 +25,26 @@ Keys (all optional except ``port`` on a producer):
     (default 16; past it the least recently used is dropped), each until no consumer
     pulled it for ``hold_s`` seconds (default 60; a pull restarts the wait). Every
     drop is logged on ``lynx_vllm`` (a WARNING for a cache never pulled).
+``load``
+    How a consumer loads: ``"sync"`` (default) or ``"async"`` (:class:`LoadMode`).
+    Sync: the forward pass that computes the request's last prompt token starts at
+    once and waits inside each layer for that layer's cache (the transfer overlaps
+    that forward layer by layer, but the whole batch waits with it). Async: vLLM
+    parks the request (``WAITING_FOR_REMOTE_KVS``) while a Lynx thread pulls the
+    cache and writes each layer into the request's blocks as it lands; the
+    request is scheduled once all of it is in place, and the other requests keep
+    decoding meanwhile. On vLLM's CPU backend an async consumer's worker must not
+    be bound to a single CPU (``VLLM_CPU_OMP_THREADS_BIND=nobind``; see
+    :mod:`lynx_vllm.async_load`).
 ``stats_path``
     A JSON-lines file the consumer appends one record to per load (timestamps,
-    bytes, outcome): what an operator or a test reads to see the overlap.
+    bytes, outcome, ``load`` mode): what an operator or a test reads to see the overlap.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -42,10 +54,29 @@ from lynx_decode.errors import CodecError
 from lynx_decode.timeouts import Timeouts
 from lynx_vllm.errors import ConnectorError
 
-__all__ = ["ConnectorConfig", "codec_config", "scheme_of", "planes_of"]
+__all__ = ["ConnectorConfig", "LoadMode", "codec_config", "scheme_of", "planes_of", "load_mode_of"]
 
 _KEYS = frozenset({"host", "port", "scheme", "planes", "bandwidth_gbps", "timeout_s", "peer_timeout_s",
-                   "connect_timeout_s", "max_prefills", "hold_s", "stats_path"})
+                   "connect_timeout_s", "max_prefills", "hold_s", "stats_path", "load"})
+
+
+class LoadMode(enum.Enum):
+    """How a consumer loads a request's cache (the ``load`` setting)."""
+
+    #: inside the forward pass that computes the last prompt token, layer by layer (vLLM's synchronous load)
+    SYNC = "sync"
+    #: on a Lynx thread while vLLM schedules other requests; the request waits until its cache is in place
+    ASYNC = "async"
+
+
+def load_mode_of(value: Any) -> LoadMode:
+    """The ``load`` setting (``"sync"`` or ``"async"``) as a :class:`LoadMode`; :class:`ConnectorError`
+    naming the key and the allowed values for anything else."""
+    try:
+        return LoadMode(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in LoadMode)
+        raise ConnectorError(f"load must be one of {allowed}; got {value!r}") from None
 
 
 def codec_config(scheme: Scheme, planes: tuple[int, ...]) -> CodecConfig:
@@ -94,6 +125,7 @@ class ConnectorConfig:
     max_prefills: int = 16
     hold_s: float = 60.0
     stats_path: str | None = None
+    load: LoadMode = LoadMode.SYNC
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, *, producer: bool) -> ConnectorConfig:
@@ -124,6 +156,7 @@ class ConnectorConfig:
             max_prefills=max_prefills,
             hold_s=_positive("hold_s", extra.get("hold_s", 60.0)),
             stats_path=None if extra.get("stats_path") is None else str(extra["stats_path"]),
+            load=load_mode_of(extra.get("load", LoadMode.SYNC.value)),
         )
 
     def timeouts(self) -> Timeouts:

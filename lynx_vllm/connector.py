@@ -18,13 +18,20 @@ for ``hold_s``, or when ``max_prefills`` more recently used ones are held (logge
 either way).
 
 Consumer (``kv_consumer``): a request whose ``kv_transfer_params`` name a producer
-loads its first ``n - 1`` prompt tokens (synchronously in vLLM's terms: the
-forward pass that computes the last prompt token starts at once, and
-``wait_for_layer_load`` waits inside it for exactly the layer it needs, so the
-transfer and the forward overlap layer by layer). A load that fails reports the
-request's blocks through ``get_block_ids_with_load_errors``: vLLM's
-``kv_load_failure_policy`` then fails the request or recomputes it, and nothing
-of a failed stream is used.
+loads its first ``n - 1`` prompt tokens. With ``load: "sync"`` (the default) the
+load is synchronous in vLLM's terms: the forward pass that computes the last
+prompt token starts at once, and ``wait_for_layer_load`` waits inside it for
+exactly the layer it needs, so the transfer and the forward overlap layer by
+layer (and the rest of the batch waits with it). With ``load: "async"``
+``get_num_new_matched_tokens`` answers ``(n - 1, True)``: vLLM parks the request,
+``start_load_kv`` sends the pull, a Lynx thread writes each layer into the
+request's blocks as it lands (:mod:`lynx_vllm.async_load`), ``get_finished``
+reports the request once every plane of every layer is in place, and the
+request is scheduled then, for its last prompt token; ``wait_for_layer_load``
+never waits for it. A load that fails reports the request's blocks through
+``get_block_ids_with_load_errors`` (an asynchronous one in the step whose
+``get_finished`` reports it): vLLM's ``kv_load_failure_policy`` then fails the
+request or recomputes it, and nothing of a failed stream is used.
 
 Without scheduler support vLLM cannot decode on anchors early, so the consumer
 waits for every plane of a layer (LYNX is then exactly INT8); the design of that
@@ -52,7 +59,8 @@ from lynx_decode.model.store import directory_model_id
 from lynx_decode.prefill_node import PrefillNode
 from lynx_transport import Rate
 from lynx_vllm import paged
-from lynx_vllm.config import ConnectorConfig
+from lynx_vllm.async_load import AsyncLoads
+from lynx_vllm.config import ConnectorConfig, LoadMode
 from lynx_vllm.consumer import KVLoader, Load
 from lynx_vllm.errors import ConnectorError, LoadError
 from lynx_vllm.plan import ConsumerPlan, LoadSpec, ProducerPlan, SaveSpec, producer_params
@@ -115,17 +123,21 @@ class LynxConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         self._model_id = _model_id(vllm_config)
         self._vllm_config = vllm_config
+        self._async = self.config.load is LoadMode.ASYNC
         # scheduler side
-        self._consumer_plan = ConsumerPlan()
+        self._consumer_plan = ConsumerPlan(once=self._async)
         self._producer_plan = ProducerPlan()
+        self._async_specs: list[LoadSpec] = []  # taken in update_state_after_alloc, sent with the next meta
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
+        self._kv_layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._held: HeldPrefills | None = None
         self._stopped = threading.Event()
         self._expiry: threading.Thread | None = None
         self._node: PrefillNode | None = None
         self._loader: KVLoader | None = None
+        self._async_loads: AsyncLoads | None = None
         self._active: list[tuple[LoadSpec, Load]] = []
         self._load_errors: set[int] = set()
         log.info("LynxConnector %s (%s) for %s: %s", role.name.lower(), transfer.kv_role, self._model_id, self.config)
@@ -133,6 +145,7 @@ class LynxConnector(KVConnectorBase_V1):
     # ==== worker side ==========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv = dict(kv_caches)
+        self._kv_layers = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         first = next(iter(kv_caches.values()))
         heads, head_size = paged.check_layout(first, block_size=self._block_size,
@@ -160,7 +173,10 @@ class LynxConnector(KVConnectorBase_V1):
             # a kv_both instance's receiver takes any free port: the fixed one is its prefill node's
             own = dataclasses.replace(self.config, port=0 if self._producer else self.config.port)
             self._loader = KVLoader(info, own)
-            log.info("LynxConnector consumer receiving on %s:%d", *self._loader.address)
+            if self._async:
+                self._async_loads = AsyncLoads(self._loader, len(kv_caches), self._write_layer)
+            log.info("LynxConnector consumer receiving on %s:%d (%s loads)", *self._loader.address,
+                     self.config.load.value)
 
     def _expire_held(self, held: HeldPrefills) -> None:
         """The producer's expiry thread: a held prefill is dropped within a quarter of ``hold_s``
@@ -177,12 +193,33 @@ class LynxConnector(KVConnectorBase_V1):
         if self._loader is None:
             raise ConnectorError("a load was scheduled on an instance that is not a kv_consumer")
         for spec in meta.loads:
+            if self._async_loads is not None:  # the pull goes now; a Lynx thread writes the layers
+                self._async_loads.submit(spec)
+                continue
             load = self._loader.start(spec.request_id, spec.transfer.producer, spec.prompt_ids,
                                       scheme=spec.scheme, planes=spec.planes)
             self._active.append((spec, load))
 
+    def _write_layer(self, spec: LoadSpec, index: int, k: Any, v: Any) -> None:
+        """An asynchronous load's write (a load thread): layer ``index`` into the request's own blocks
+        only (``spec.own_blocks``), in inference mode as vLLM's forward writes (torch's mode is per thread)."""
+        with torch.inference_mode():
+            paged.scatter(self._kv_layers[index], spec.block_ids, spec.start, k[:, spec.start : spec.end],
+                          v[:, spec.start : spec.end], allowed=spec.own_blocks)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Asynchronous loads whose cache is in place (every plane of every layer written), or that
+        failed or were cancelled: their request ids as finished receiving, the failed ones' blocks
+        queued for this same step's ``get_block_ids_with_load_errors``."""
+        if self._async_loads is None:
+            return None, None
+        ended, failed = self._async_loads.collect(finished_req_ids)
+        for spec in failed:
+            self._fail_blocks(spec)
+        return None, ended or None
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._active:
+        if not self._active:  # asynchronous loads never wait here
             return
         index = self._layer_index.get(layer_name)
         if index is None:
@@ -262,6 +299,9 @@ class LynxConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._stopped.set()
+        if self._async_loads is not None:
+            self._async_loads.close()
+            self._async_loads = None
         if self._expiry is not None:
             self._expiry.join(1.0)
             self._expiry = None
@@ -278,14 +318,33 @@ class LynxConnector(KVConnectorBase_V1):
             return 0, False
         n = self._consumer_plan.matched(request.request_id, request.kv_transfer_params,
                                         int(request.num_prompt_tokens), num_computed_tokens)
-        return n, False
+        return n, self._async and n > 0
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every transfer group: a load writes the request's own blocks, all of them."""
+        config = self._kv_cache_config
+        if config is None:
+            return super().get_loaded_kv_cache_group_ids(request)
+        return tuple(config.transfer_group_ids)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if self._consumer:
-            self._consumer_plan.allocated(request.request_id, request.kv_transfer_params, num_external_tokens)
+        if not self._consumer:
+            return
+        params = request.kv_transfer_params
+        self._consumer_plan.allocated(request.request_id, params, num_external_tokens)
+        if self._async and num_external_tokens > 0:
+            # the request waits (WAITING_FOR_REMOTE_KVS) and is not in this step's new requests:
+            # its load goes with this step's metadata, into blocks only it holds (vLLM's unhashed ones)
+            scheme, planes = self.config.request_codec(params)
+            spec = self._consumer_plan.take(request.request_id, list(request.prompt_token_ids or []),
+                                            blocks.get_block_ids()[0], scheme, planes,
+                                            own_blocks=blocks.get_unhashed_block_ids_all_groups()[0])
+            if spec is not None:
+                self._async_specs.append(spec)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = LynxConnectorMetadata()
+        meta = LynxConnectorMetadata(loads=self._async_specs)
+        self._async_specs = []
         scheduled = scheduler_output.num_scheduled_tokens
         for req in scheduler_output.scheduled_new_reqs:
             ids = list(req.prompt_token_ids or [])

@@ -5,9 +5,11 @@ with the prompt's token ids, the scheme and this loader's receiver address) to
 the producer's prefill node; the cache comes back as a Lynx KV stream
 (:mod:`lynx_decode.kvstream`) into this loader's pre-registered receive pool,
 anchors first. :meth:`KVLoader.layer` waits for exactly one layer (every plane
-of it: the connector loads the exact cache) and decodes it; vLLM's
-``wait_for_layer_load`` calls it from inside the forward pass, so the first
-forward overlaps the transfer layer by layer.
+of it: the connector loads the exact cache) and decodes it. A synchronous load
+(``load: "sync"``) calls it from vLLM's ``wait_for_layer_load``, inside the
+forward pass, so the first forward overlaps the transfer layer by layer; an
+asynchronous one (``load: "async"``) from a Lynx thread of
+:class:`~lynx_vllm.async_load.AsyncLoads`, outside any forward.
 
 Every failure is a :class:`~lynx_vllm.errors.LoadError` that comes at once, never
 after a wait past the configured bounds: a refusal from the producer (its error
@@ -41,7 +43,7 @@ from lynx_decode.request import KVRequest, parse_error_reply
 from lynx_transport import Lane, ReceivePool, ReceiveStream
 from lynx_transport.errors import LynxError, TransportError
 from lynx_transport.seam import UCX, ReceiverCallbacks, Sender, Transport
-from lynx_vllm.config import ConnectorConfig
+from lynx_vllm.config import ConnectorConfig, LoadMode
 from lynx_vllm.errors import LoadError
 
 __all__ = ["KVLoader", "Load"]
@@ -67,6 +69,7 @@ class Load:
     tokens_loaded: int = 0
     times: dict[str, float] = dataclasses.field(default_factory=dict)
     deadline: float = 0.0
+    mode: LoadMode = LoadMode.SYNC
 
     @property
     def failed(self) -> bool:
@@ -77,7 +80,7 @@ class Load:
         header = self.header
         return {"request_id": self.request_id, "pull_id": self.pull_id, "scheme": self.scheme.value,
                 "planes": list(self.planes) if self.scheme is Scheme.LYNX else None,
-                "prompt_tokens": self.prompt_tokens, "layers_loaded": self.layers_loaded,
+                "load": self.mode.value, "prompt_tokens": self.prompt_tokens, "layers_loaded": self.layers_loaded,
                 "tokens_loaded": self.tokens_loaded,
                 "bytes_on_wire": None if header is None else sum(n for _, n, _ in header.regions()),
                 "error": None if self.error is None else str(self.error), **self.times}
@@ -114,11 +117,11 @@ class KVLoader:
 
     # -- the worker's side ---------------------------------------------------------------------
     def start(self, request_id: str, producer: tuple[str, int], prompt_ids: Sequence[int], *,
-              scheme: Scheme, planes: tuple[int, ...]) -> Load:
+              scheme: Scheme, planes: tuple[int, ...], mode: LoadMode = LoadMode.SYNC) -> Load:
         """Ask ``producer`` for the cache of ``prompt_ids[:-1]``. Never raises: a load that could not
-        start comes back already failed."""
+        start comes back already failed. ``mode`` only goes into the load's record."""
         load = Load(request_id, f"{request_id}#{self._nonce}.{next(self._ids)}", producer, scheme, planes,
-                    len(prompt_ids), deadline=time.monotonic() + self.config.timeout_s)
+                    len(prompt_ids), deadline=time.monotonic() + self.config.timeout_s, mode=mode)
         load.times["requested_at"] = time.time()
         with self._lock:
             self._waiting[load.pull_id] = load
@@ -161,9 +164,9 @@ class KVLoader:
         load.layers_loaded += 1
         return k, v
 
-    def finish(self, load: Load) -> dict[str, Any]:
-        """End a load (whatever its outcome): the stream is released or abandoned, and its record
-        written to ``stats_path``. Returns the record."""
+    def finish(self, load: Load, *, write: bool = True) -> dict[str, Any]:
+        """End a load (whatever its outcome): the stream is released or abandoned, and (``write``)
+        its record written to ``stats_path`` (else by :meth:`write_record`). Returns the record."""
         load.times.setdefault("finished_at", time.time())
         with self._lock:
             self._waiting.pop(load.pull_id, None)
@@ -187,11 +190,16 @@ class KVLoader:
             log.info("loaded %s: %d tokens, %s, %.1f MB, %.3f s from the pull to the last layer",
                      load.request_id, load.prompt_tokens - 1, load.scheme.value, (record["bytes_on_wire"] or 0) / 1e6,
                      load.times.get("last_layer_landed_at", load.times["finished_at"]) - load.times["requested_at"])
+        if write:
+            self.write_record(record)
+        return record
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        """Append a load's record to ``stats_path`` (if set)."""
         path = self.config.stats_path
         if path:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
-        return record
 
     def _left(self, load: Load) -> float:
         return max(0.0, load.deadline - time.monotonic())
@@ -204,6 +212,14 @@ class KVLoader:
             log.warning("load of %s failed: %s", load.request_id, error)
         if not load.stream.done():
             load.stream.set_exception(error)
+
+    def cancel(self, load: Load, reason: str) -> None:
+        """Fail ``load`` (``reason``) and abandon its stream if one is open, so that a thread waiting in
+        :meth:`layer` wakes at once with the load's error. Any thread."""
+        self.fail(load, LoadError(reason))
+        stream = load.stream.result() if load.stream.done() and load.stream.exception() is None else None
+        if stream is not None and not stream.state.terminal:
+            self._end(stream, reason)
 
     # -- transport callbacks (the receiver's callback thread) -----------------------------------
     def _on_open(self, stream: ReceiveStream) -> None:
@@ -219,6 +235,9 @@ class KVLoader:
         if load is None:
             self._end(stream, "no pending load for this stream")
             return
+        if load.failed:  # it timed out or was cancelled before its stream opened
+            self._end(stream, f"the load already failed: {load.error}")
+            return
         try:
             header = KVHeader.from_metadata(stream.metadata)
             header.check_model(self.info)
@@ -231,7 +250,10 @@ class KVLoader:
             return
         load.header = header
         load.times["header_at"] = time.time()
-        load.stream.set_result(stream)
+        try:
+            load.stream.set_result(stream)
+        except cf.InvalidStateError:  # failed (fail() set the future) between the check above and here
+            self._end(stream, f"the load already failed: {load.error}")
 
     def _on_complete(self, stream: ReceiveStream) -> None:
         if stream.stream_id in self._release_on_complete:

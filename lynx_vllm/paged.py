@@ -22,14 +22,14 @@ even on the way in): exact, and on this machine's torch about 200x faster than
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from lynx_vllm.errors import ConnectorError
 
-__all__ = ["VERIFIED_ISAS", "check_layout", "gather", "scatter", "to_float32"]
+__all__ = ["VERIFIED_ISAS", "blocks_of", "check_layout", "gather", "scatter", "to_float32"]
 
 #: The CPU attention layouts this module reads and writes.
 VERIFIED_ISAS = frozenset({"vec"})
@@ -115,16 +115,32 @@ def _as_cache(x: Any, dtype: Any) -> Any:
     return x.to(dtype)
 
 
-def scatter(kv: Any, block_ids: Sequence[int], start: int, k: Any, v: Any) -> None:
+def blocks_of(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """The blocks tokens ``[start, end)`` live in (what a write of them touches), in token order."""
+    return [block for block, _, _, _ in _spans(block_ids, block_size, start, end)]
+
+
+def scatter(kv: Any, block_ids: Sequence[int], start: int, k: Any, v: Any, *,
+            allowed: Collection[int] | None = None) -> None:
     """Write ``k``/``v`` (``[kv_heads, n, head_size]``: float32 NumPy arrays, as the codec decodes them,
     or torch tensors) as tokens ``[start, start + n)``, in the cache's dtype (bfloat16 rounded to nearest
-    even, as torch rounds)."""
+    even, as torch rounds).
+
+    ``allowed``: the only blocks the write may touch (an asynchronous load, which writes from a thread
+    of its own while the engine runs other requests on the same tensor): :class:`ConnectorError`,
+    before anything is written, if the tokens live in any other block."""
     k_cells, v_cells = _cells(kv)
     n = k.shape[1]
     if tuple(k.shape) != tuple(v.shape) or k.shape[0] != kv.shape[1] or 2 * k.shape[2] != kv.shape[3]:
         raise ConnectorError(f"K/V of shape {tuple(k.shape)}/{tuple(v.shape)} do not fit the cache "
                              f"{tuple(kv.shape)}")
+    spans = _spans(block_ids, kv.shape[2], start, start + n)
+    if allowed is not None:
+        stray = sorted({block for block, _, _, _ in spans} - set(allowed))
+        if stray:
+            raise ConnectorError(f"tokens [{start}, {start + n}) live in blocks {stray}, which the load does not "
+                                 "own (shared or cached blocks are never written by an asynchronous load)")
     k, v = _as_cache(k, kv.dtype), _as_cache(v, kv.dtype)
-    for block, a, b, t in _spans(block_ids, kv.shape[2], start, start + n):
+    for block, a, b, t in spans:
         k_cells[block, :, :, a:b] = k[:, t - start : t - start + b - a].transpose(1, 2)
         v_cells[block, :, a:b] = v[:, t - start : t - start + b - a]

@@ -76,6 +76,9 @@ class LoadSpec:
     end: int
     scheme: Scheme
     planes: tuple[int, ...]
+    #: the blocks the load may write (an asynchronous load: the request's blocks no other request
+    #: shares, vLLM's unhashed ones), or None (a synchronous load, inside the forward that owns them)
+    own_blocks: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +93,24 @@ class SaveSpec:
 class ConsumerPlan:
     """Which requests load what: ``matched`` (vLLM's ``get_num_new_matched_tokens``, side-effect free
     apart from remembering the local count), ``allocated`` (``update_state_after_alloc``) and
-    ``take`` (``build_connector_meta``: the loads of the step's new requests, once each)."""
+    ``take`` (``build_connector_meta`` for a synchronous load: the loads of the step's new requests,
+    once each; ``update_state_after_alloc`` itself for an asynchronous one, whose request is not
+    scheduled until its load is done).
 
-    def __init__(self) -> None:
+    ``once``: a request loads at most once until :meth:`forget` (asynchronous loads: a request whose
+    load failed under ``kv_load_failure_policy=recompute``, or that was preempted, comes back with
+    nothing computed and is recomputed locally, not loaded again, as NIXL's connector does)."""
+
+    def __init__(self, *, once: bool = False) -> None:
+        self._once = once
         self._local: dict[str, int] = {}
         self._ready: dict[str, tuple[Transfer, int, int]] = {}
+        self._taken: set[str] = set()
 
     def matched(self, request_id: str, params: Mapping[str, Any] | None, prompt_tokens: int,
                 num_computed: int) -> int:
         transfer = transfer_of(params)
-        if transfer is None or transfer.prompt_tokens != prompt_tokens:
+        if transfer is None or transfer.prompt_tokens != prompt_tokens or request_id in self._taken:
             return 0
         self._local[request_id] = num_computed
         return max(0, prompt_tokens - 1 - num_computed)
@@ -111,12 +122,15 @@ class ConsumerPlan:
             self._ready[request_id] = (transfer, local, local + num_external)
 
     def take(self, request_id: str, prompt_ids: Sequence[int], block_ids: Sequence[int],
-             scheme: Scheme, planes: tuple[int, ...]) -> LoadSpec | None:
+             scheme: Scheme, planes: tuple[int, ...], *, own_blocks: Sequence[int] | None = None) -> LoadSpec | None:
         ready = self._ready.pop(request_id, None)
         if ready is None:
             return None
+        if self._once:
+            self._taken.add(request_id)
         transfer, start, end = ready
-        return LoadSpec(request_id, transfer, tuple(prompt_ids), tuple(block_ids), start, end, scheme, planes)
+        return LoadSpec(request_id, transfer, tuple(prompt_ids), tuple(block_ids), start, end, scheme, planes,
+                        None if own_blocks is None else tuple(own_blocks))
 
     def pending(self) -> int:
         return len(self._ready)
@@ -124,6 +138,7 @@ class ConsumerPlan:
     def forget(self, request_id: str) -> None:
         self._local.pop(request_id, None)
         self._ready.pop(request_id, None)
+        self._taken.discard(request_id)
 
 
 class ProducerPlan:

@@ -9,7 +9,6 @@ default model. Skipped, with the command that installs it, when the vLLM environ
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,14 @@ from typing import Any
 import pytest
 
 from lynx_bench.vllm_driver import INSTALL_HINT, VllmNode, free_port, vllm_python
+from tests.integration.vllm_models import (
+    answer_ok,
+    load_records,
+    prompt_ids,
+    start_instances,
+    tiny_llama,
+    with_scheme,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ucx]
 
@@ -29,39 +36,13 @@ LAYERS = 8
 PROMPT = 2000  # tokens: 16 MB of bf16 KV for the tiny model
 
 
-def _tiny_llama(directory: Path) -> Path:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
-                                      head_dim=64, max_position_embeddings=4096, initializer_range=0.2,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-    return directory
-
-
-def _ids(n: int, seed: int = 1) -> list[int]:
-    return [(i * 7919 + seed * 104729) % 509 + 2 for i in range(n)]
-
-
-def _with(params: dict[str, Any], scheme: str) -> dict[str, Any]:
-    p = json.loads(json.dumps(params))
-    p["lynx"]["scheme"] = scheme
-    return p
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
 class Nodes:
     """The instances of this module, started in parallel."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.model = _tiny_llama(tmp / "tiny-llama")
-        # four instances: more at once do not start in time on two cores
+        self.model = tiny_llama(tmp / "tiny-llama", layers=LAYERS, kv_heads=4)
+        # four instances, two starting at a time
         specs: dict[str, dict[str, Any]] = {
             "producer": dict(role="kv_producer", extra={"port": free_port(), "bandwidth_gbps": 0.2}),
             "doomed": dict(role="kv_producer", extra={"port": free_port(), "bandwidth_gbps": 0.02}),
@@ -70,20 +51,7 @@ class Nodes:
                               extra={"stats_path": str(tmp / "recompute.jsonl")}),
         }
         self.specs = specs
-        self.nodes: dict[str, VllmNode] = {}
-        with cf.ThreadPoolExecutor(2) as pool:
-            futures = {name: pool.submit(VllmNode, PYTHON, self.model, log=tmp / f"{name}.log",
-                                         ready_timeout_s=300, **spec)
-                       for name, spec in specs.items()}
-            errors = []
-            for name, future in futures.items():
-                try:
-                    self.nodes[name] = future.result()
-                except Exception as exc:
-                    errors.append(f"{name}: {exc}")
-        if errors:
-            self.close()
-            raise AssertionError("vLLM instances failed to start:\n" + "\n".join(errors))
+        self.nodes: dict[str, VllmNode] = start_instances(PYTHON, self.model, tmp, specs, ready_timeout_s=300)
 
     def __getitem__(self, name: str) -> VllmNode:
         return self.nodes[name]
@@ -100,23 +68,18 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
     n.close()
 
 
-def _ok(answer: dict[str, Any]) -> dict[str, Any]:
-    assert answer.get("error") is None, answer
-    return answer
-
-
 def test_bf16_equals_vllm_and_lynx_equals_int8_with_every_block_loaded_layer_by_layer(nodes: Nodes) -> None:
-    ids = _ids(PROMPT)
-    reference = _ok(nodes["consumer"].generate(ids, 12))["token_ids"]
+    ids = prompt_ids(PROMPT)
+    reference = answer_ok(nodes["consumer"].generate(ids, 12))["token_ids"]
     assert len(set(reference)) > 2, "the tiny model's greedy output is degenerate; the test would prove little"
-    params = _ok(nodes["producer"].prefill(ids))["kv_transfer_params"]
+    params = answer_ok(nodes["producer"].prefill(ids))["kv_transfer_params"]
     port = nodes.specs["producer"]["extra"]["port"]
     assert params["lynx"] == {"producer": ["127.0.0.1", port], "prompt_tokens": PROMPT}
-    out = {s: _ok(nodes["consumer"].generate(ids, 12, kv_transfer_params=_with(params, s)))["token_ids"]
+    out = {s: answer_ok(nodes["consumer"].generate(ids, 12, kv_transfer_params=with_scheme(params, s)))["token_ids"]
            for s in ("bf16", "int8", "lynx", "int4")}
     assert out["bf16"] == reference
     assert out["lynx"] == out["int8"]
-    loads = {r["scheme"]: r for r in _records(nodes.tmp / "consumer.jsonl")}
+    loads = {r["scheme"]: r for r in load_records(nodes.tmp / "consumer.jsonl")}
     assert set(loads) == {"bf16", "int8", "lynx", "int4"}
     for scheme, r in loads.items():
         assert r["error"] is None, r
@@ -132,19 +95,19 @@ def test_two_consumers_one_producer_anchors_go_before_an_older_residual(nodes: N
     the wire, which a loaded machine cannot promise (a's whole transfer takes ~0.3 s). The claim,
     an anchor overtakes an older residual of another peer on one egress, is checked without a
     clock by the transport's tests (test_transport_conformance, test_transport_egress)."""
-    ids_a, ids_b = _ids(PROMPT, seed=2), _ids(PROMPT, seed=3)
+    ids_a, ids_b = prompt_ids(PROMPT, seed=2), prompt_ids(PROMPT, seed=3)
     producer = nodes["producer"]
-    params_a = _ok(producer.prefill(ids_a))["kv_transfer_params"]
-    params_b = _ok(producer.prefill(ids_b))["kv_transfer_params"]
+    params_a = answer_ok(producer.prefill(ids_a))["kv_transfer_params"]
+    params_b = answer_ok(producer.prefill(ids_b))["kv_transfer_params"]
     nodes["consumer"].send({"op": "generate", "id": "a", "prompt_ids": ids_a, "max_tokens": 4,
-                            "kv_transfer_params": _with(params_a, "lynx")})
+                            "kv_transfer_params": with_scheme(params_a, "lynx")})
     time.sleep(0.1)  # a's anchors (about 0.17 s at 0.2 Gbit/s) are on the wire
     nodes["recompute"].send({"op": "generate", "id": "b", "prompt_ids": ids_b, "max_tokens": 4,
-                             "kv_transfer_params": _with(params_b, "lynx")})
-    _ok(nodes["consumer"].answer(120))
-    _ok(nodes["recompute"].answer(120))
-    a = next(r for r in _records(nodes.tmp / "consumer.jsonl") if r["request_id"].startswith("a"))
-    b = next(r for r in _records(nodes.tmp / "recompute.jsonl") if r["request_id"].startswith("b"))
+                             "kv_transfer_params": with_scheme(params_b, "lynx")})
+    answer_ok(nodes["consumer"].answer(120))
+    answer_ok(nodes["recompute"].answer(120))
+    a = next(r for r in load_records(nodes.tmp / "consumer.jsonl") if r["request_id"].startswith("a"))
+    b = next(r for r in load_records(nodes.tmp / "recompute.jsonl") if r["request_id"].startswith("b"))
     assert a["error"] is None and b["error"] is None
     assert b["requested_at"] < a["lane1_done_at"], "b must ask while a's residual is still to come"
     assert b["lane0_done_at"] < a["lane1_done_at"], (a, b)  # b's anchors were not queued behind a's residual
@@ -160,10 +123,10 @@ def test_a_producer_killed_mid_transfer_fails_or_recomputes_at_once(nodes: Nodes
     consumer with kv_load_failure_policy=fail fails its request, the one with recompute prefills the
     prompt itself (the same greedy text), both at once (not after their stream timeout), neither
     keeping anything of the stream."""
-    ids = _ids(PROMPT, seed=4)
+    ids = prompt_ids(PROMPT, seed=4)
     failing, recomputing = nodes["consumer"], nodes["recompute"]
-    reference = _ok(recomputing.generate(ids, 6))["token_ids"]
-    params = _with(_ok(nodes["doomed"].prefill(ids))["kv_transfer_params"], "bf16")
+    reference = answer_ok(recomputing.generate(ids, 6))["token_ids"]
+    params = with_scheme(answer_ok(nodes["doomed"].prefill(ids))["kv_transfer_params"], "bf16")
     for consumer in (failing, recomputing):  # 16 MB each at 0.02 Gbit/s shared: ~13 s
         consumer.send({"op": "generate", "id": "k", "prompt_ids": ids, "max_tokens": 6,
                        "kv_transfer_params": params})
@@ -176,7 +139,7 @@ def test_a_producer_killed_mid_transfer_fails_or_recomputes_at_once(nodes: Nodes
     assert failed.get("error") is not None or failed["finish_reason"] == "error", failed
     assert recomputed.get("error") is None and recomputed["token_ids"] == reference, recomputed
     for stats in ("consumer.jsonl", "recompute.jsonl"):
-        record = [r for r in _records(nodes.tmp / stats) if r["request_id"].startswith("k")][-1]
+        record = [r for r in load_records(nodes.tmp / stats) if r["request_id"].startswith("k")][-1]
         assert record["error"] is not None and record["layers_loaded"] < LAYERS, record  # nothing partial kept
     # the producer is gone now: a new request for its cache fails (or recomputes) at once
     started = time.monotonic()
@@ -199,13 +162,13 @@ def test_the_default_model_bf16_equals_vllm_and_lynx_equals_int8(tmp_path: Path)
                           extra={"stats_path": str(tmp_path / "loads.jsonl")})
         producer, consumer = pf.result(), cf_.result()
     with producer, consumer:
-        reference = _ok(consumer.generate(ids, 8))["token_ids"]
-        params = _ok(producer.prefill(ids))["kv_transfer_params"]
-        out = {s: _ok(consumer.generate(ids, 8, kv_transfer_params=_with(params, s)))["token_ids"]
+        reference = answer_ok(consumer.generate(ids, 8))["token_ids"]
+        params = answer_ok(producer.prefill(ids))["kv_transfer_params"]
+        out = {s: answer_ok(consumer.generate(ids, 8, kv_transfer_params=with_scheme(params, s)))["token_ids"]
                for s in ("bf16", "int8", "lynx")}
     assert out["bf16"] == reference
     assert out["lynx"] == out["int8"]
-    loads = _records(tmp_path / "loads.jsonl")
+    loads = load_records(tmp_path / "loads.jsonl")
     assert [r["scheme"] for r in loads] == ["bf16", "int8", "lynx"]
     assert all(r["error"] is None and r["layers_loaded"] == 30 and r["tokens_loaded"] == len(ids) - 1
                for r in loads), loads
