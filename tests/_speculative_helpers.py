@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from lynx_decode.errors import DecodeError
+from lynx_decode.errors import DecodeError, PromptError
 from lynx_decode.model import KVBuffers, ModelInfo, Prefill
 
 
@@ -66,6 +66,9 @@ class ToyLM:
         self.calls: list[int] = []
 
     def prefill(self, token_ids: Sequence[int]) -> Prefill:
+        if len(token_ids) > self.info.max_positions:  # as the protocol (and HFCausalLM) says
+            raise PromptError(f"the prompt has {len(token_ids)} tokens; the model's context "
+                              f"window is {self.info.max_positions}")
         kv = KVBuffers.from_layers([np.asarray(token_ids[:-1], np.float32).reshape(1, -1, 1)],
                                    [np.zeros((1, len(token_ids) - 1, 1), np.float32)])
         return Prefill(tuple(token_ids), kv, 0.0)

@@ -111,16 +111,41 @@ def test_every_scheme_round_trips(nodes: Any, scheme: Scheme) -> None:
 
 def test_a_refused_request_fails_the_run_with_the_reason(nodes: Any) -> None:
     prefill, decode, _ = nodes
-    # a cache longer than the decode node's model: it rejects the stream and says why (the
-    # reason, not a timeout) at once, and tells the prefill node, whose send fails
+    # a prompt longer than the model: the prefill node's model refuses it (as HFCausalLM does),
+    # the run hears the reason (not a timeout) at once, and the prefill node counts it failed
     start = time.monotonic()
-    with pytest.raises(DecodeError, match="more than the model's 4096 positions"):
+    refused = "refused the request: the prompt has 5000 tokens; the model's context window is 4096"
+    with pytest.raises(DecodeError, match=refused):
         decode.run(prefill.address, "x" * 5000, scheme=Scheme.INT8, max_new_tokens=4)
     assert time.monotonic() - start < decode.timeouts.stream_s  # a generous bound: not waited out
     assert wait_until(lambda: prefill.failed == 1 and prefill.pending == 0, 10)
     assert prefill.served == 0
     # and the node serves the next request
     assert len(decode.run(prefill.address, PROMPT, scheme=Scheme.INT8, max_new_tokens=3).tokens) == 3
+
+
+def test_a_stream_the_decode_node_cannot_take_is_refused_with_the_reason(transport: Transport) -> None:
+    # a prefill node whose model has more positions than the decode node's: the decode node
+    # refuses the stream at its opening and the run hears why at once.
+    # The prefill node's send fails if the refusal beats the last byte; a small stream can land
+    # whole first (the transport completes it before the receiver's callback runs), and then the
+    # send succeeded: either way the request ends, and both nodes serve the next one.
+    waits = Timeouts(stream_s=5.0)
+    with PrefillNode(NodeToyLM(eos=False, max_positions=8192), transport=transport, timeouts=waits) as prefill, \
+            DecodeNode(NodeToyLM(eos=False), transport=transport, timeouts=waits, pool_bytes=POOL) as decode:
+        stop = threading.Event()
+        server = threading.Thread(target=prefill.serve, args=(stop,), kwargs={"poll_s": 0.02})
+        server.start()
+        try:
+            start = time.monotonic()
+            with pytest.raises(DecodeError, match="more than the model's 4096 positions"):
+                decode.run(prefill.address, "x" * 5000, scheme=Scheme.INT8, max_new_tokens=4)
+            assert time.monotonic() - start < decode.timeouts.stream_s
+            assert wait_until(lambda: prefill.failed + prefill.served == 1 and prefill.pending == 0, 10)
+            assert len(decode.run(prefill.address, PROMPT, scheme=Scheme.INT8, max_new_tokens=3).tokens) == 3
+        finally:
+            stop.set()
+            server.join(5)
 
 
 def test_nobody_listening_fails_at_once(transport: Transport) -> None:
