@@ -18,8 +18,10 @@ the cursor is at column 0 when the stream starts, and that nothing else writes
 to the terminal meanwhile.
 
 Text is detokenized incrementally: each region is the detokenization of all its
-ids so far (an incomplete UTF-8 sequence at the end, shown as U+FFFD, is held
-back until the next token completes it or the run ends).
+ids so far. An incomplete UTF-8 sequence at the end of the final text, shown as
+U+FFFD, is held back until the next token completes it or the run ends; in the
+tentative region (erased at each redraw) it is drawn, dim, as U+FFFD, so a token
+is seen as soon as it comes.
 """
 
 from __future__ import annotations
@@ -164,7 +166,9 @@ class TokenStream:
             return shown, ""
         both = self._detok([*self._final, *self._tentative])
         tail = both[len(shown):] if both.startswith(shown) else self._detok(self._tentative)
-        return shown, _printable(tail, False)
+        # an incomplete UTF-8 sequence stays in the tentative region as U+FFFD: a token came
+        # (the reader sees it at once), and the region is redrawn when the sequence completes
+        return shown, tail
 
     def _redraw(self, style: str, final: bool = False) -> str:
         target_final, target_tentative = self._texts(final)

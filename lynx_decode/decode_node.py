@@ -36,7 +36,7 @@ import numpy as np
 
 from lynx_decode.codec.config import DEFAULT_ANCHOR_BITS, CodecConfig, Scheme
 from lynx_decode.errors import DecodeError, PromptError, ServerBusyError
-from lynx_decode.events import Event, Tentative
+from lynx_decode.events import Committed, Event, Tentative
 from lynx_decode.kvstream import KVAssembler, cache_bytes, lane_of, level_names, request_id_of, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
@@ -62,6 +62,7 @@ class _Pending:
 
     future: cf.Future[KVAssembler]
     headroom: int
+    prior_gbps: float | None = None  # the link rate expected (asked for, or seen before)
     buffers: list[tuple[tuple[str, KVShape, int], KVBuffers]] = dataclasses.field(default_factory=list)
 
 
@@ -134,6 +135,7 @@ class DecodeNode:
         try:
             assembler = KVAssembler(
                 stream, self.model.info, headroom=headroom,
+                prior_gbps=waiting.prior_gbps if waiting is not None else None,
                 allocate=lambda name, shape, room: self._take_buffers(name, shape, room, waiting))
         except Exception as exc:  # noqa: BLE001 - every refusal must end the stream and reach the run
             reason = exc if isinstance(exc, LynxError) else DecodeError(
@@ -304,7 +306,8 @@ class DecodeNode:
         hold = hold_residual and scheme is Scheme.LYNX and max_draft > 0
         request = KVRequest(request_id, scheme, split, kind, self.address, bandwidth_gbps,
                             hold_residual=hold)
-        waiting = _Pending(cf.Future(), max_new_tokens + max_draft + 2)
+        waiting = _Pending(cf.Future(), max_new_tokens + max_draft + 2,
+                           bandwidth_gbps if bandwidth_gbps is not None else self._seen_gbps.get(server))
         with self._lock:
             self._pending[request_id] = waiting
         try:
@@ -357,7 +360,7 @@ class DecodeNode:
         first_token: list[float] = []
 
         def events(event: Event) -> None:
-            first = isinstance(event, Tentative) and not first_token
+            first = isinstance(event, Tentative | Committed) and not first_token
             if first:
                 first_token.append(time.time())
                 if hold:  # the first token is out: let the residual come ...
@@ -375,7 +378,8 @@ class DecodeNode:
                                   max_draft=max_draft if assembler.speculative else 0,
                                   wait_timeout_s=self.timeout_s,
                                   full_timeout_s=self.timeouts.residual_s,
-                                  on_missing_full=on_missing_residual)
+                                  on_missing_full=on_missing_residual,
+                                  step_s=self._seen_step_s or DEFAULT_STEP_S)
             # the first step starts now and waits inside each layer for its K/V
             gen = generate(self.model, ids, levels=assembler.levels, config=config,
                            t0=assembler.header.t0_unix, clock=time.time, on_event=events)
@@ -477,7 +481,11 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
                           if "draft_ready" in assembler.timings else None),
         "full_ready_s": (assembler.timings["full_ready"] - t0
                          if "full_ready" in assembler.timings else None),
+        # the first token out: tentative, or committed when the first pass read exact K/V
+        # in every layer (then no verify pass ran)
         "first_tentative_s": first_token[0] - t0 if first_token else None,
+        "first_token_committed": m.first_token_committed, "verify_passes": m.verify_passes,
+        "first_pass_levels": list(m.first_pass_levels),
         # when the first region of plane 1 (the residual's first plane) landed
         "first_residual_s": (assembler.timings["plane1_first"] - t0
                              if "plane1_first" in assembler.timings else None),

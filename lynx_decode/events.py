@@ -59,7 +59,11 @@ class DecodeMetrics:
     nothing was drafted (non-speculative schemes, or the full cache won the race).
     ``verified`` is False when the run finished on the anchor-only cache
     (``MissingFull.UNVERIFIED``); then ``ttfct_s`` and ``full_ready_s`` are None
-    (nothing was committed) and ``unverified_reason`` says why."""
+    (nothing was committed) and ``unverified_reason`` says why.
+    ``first_token_committed``: the first token came out final (one level, or a first
+    pass that read exact K/V in every layer), with no verify pass; ``verify_passes``
+    counts the passes over drafted tokens; ``first_pass_levels`` is the level (0:
+    coarsest) each layer of the first pass read."""
 
     ttft_s: float
     ttfct_s: float | None
@@ -75,6 +79,9 @@ class DecodeMetrics:
     stopped_at_eos: bool
     verified: bool = True
     unverified_reason: str | None = None
+    first_token_committed: bool = False
+    verify_passes: int = 0
+    first_pass_levels: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

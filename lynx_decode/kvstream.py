@@ -412,13 +412,17 @@ class KVAssembler:
     ``clock`` stamps :attr:`timings` and the arrivals (seconds on that clock).
     ``allocate(name, shape, headroom)`` supplies each level's buffers (names from
     :func:`level_names`; default: new ones); the decode node passes buffers it
-    prepared before asking.
+    prepared before asking. ``prior_gbps``: the link rate expected (asked for, or
+    seen on the connection's earlier streams), for :meth:`eta` until the stream's
+    own arrivals give one.
     """
 
     def __init__(self, stream: ReceiveStream, info: ModelInfo, *, headroom: int = 64,
                  clock: Callable[[], float] = time.time,
-                 allocate: Callable[[str, KVShape, int], KVBuffers] | None = None) -> None:
+                 allocate: Callable[[str, KVShape, int], KVBuffers] | None = None,
+                 prior_gbps: float | None = None) -> None:
         self.stream = stream
+        self.prior_gbps = prior_gbps
         self.header = KVHeader.from_metadata(stream.metadata)
         self.shape = self.header.check_model(info)
         expected = {(n, b, lane) for n, b, lane in self.header.regions()}
@@ -449,6 +453,8 @@ class KVAssembler:
         self._last_arrival: float | None = None
         self._bytes_after_first = 0
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a region landed, a layer was decoded, a failure
+        self._failed = False
         #: Closed: levels above the anchor wait; see :meth:`open_full_gate`.
         self.full_gate = threading.Event()
         if not self.speculative:
@@ -462,8 +468,30 @@ class KVAssembler:
         """The caches the decode engine drafts on and verifies against, coarsest
         first: each with its future, its buffers while they fill, and an estimate
         of when it completes."""
-        return [CacheLevel(future, kv, functools.partial(self.eta, level))
+        return [CacheLevel(future, kv, functools.partial(self.eta, level), functools.partial(self.take, level))
                 for level, (future, kv) in enumerate(zip(self._futures, self._kv))]
+
+    def take(self, level: int, layer: int, timeout: float = 0.0) -> bool:
+        """Make layer ``layer`` of level ``level`` readable if its planes land within
+        ``timeout`` seconds (0: only if they are in now): one the gate held back
+        (:meth:`open_full_gate`) is dequantized here, on the calling thread, the
+        engine's, which is about to read it. True when it is readable; False when
+        its bytes did not all come in time, or the stream failed."""
+        kv = self._kv[level]
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                if kv.written(layer):
+                    return True
+                if (layer, level) in self._deferred:
+                    self._deferred.remove((layer, level))
+                    break
+                left = deadline - time.monotonic()
+                if self._failed or left <= 0:
+                    return False
+                self._changed.wait(left)  # (a layer another thread decodes notifies when written)
+        self._decode_level(layer, level)
+        return True
 
     def eta(self, level: int) -> float | None:
         """Seconds until every region of planes ``0..level`` has landed: the bytes still
@@ -476,7 +504,7 @@ class KVAssembler:
         if missing == 0:
             return 0.0
         if first is None or last is None or last <= first or landed <= 0:
-            return None
+            return None if self.prior_gbps is None else missing * 8 / (self.prior_gbps * 1e9)
         rate = landed / (self.clock() - first)
         return missing / rate
 
@@ -497,6 +525,9 @@ class KVAssembler:
         self.fail(error)
 
     def fail(self, error: BaseException) -> None:
+        with self._changed:
+            self._failed = True
+            self._changed.notify_all()
         futures: list[cf.Future[Any]] = [self._tokens_future, *self._futures]
         for future in futures:
             if not future.done():
@@ -544,6 +575,7 @@ class KVAssembler:
                     continue
                 self._claimed[level, layer] = True
                 ready.append(level)
+            self._changed.notify_all()
         for level in ready:
             self._decode_level(layer, level)
 
@@ -576,6 +608,7 @@ class KVAssembler:
         kv.mark_written(layer)
         future = self._futures[level]
         with self._lock:  # two threads may finish layers of one level (callbacks, the gate's opener)
+            self._changed.notify_all()
             self.dequant_s += time.perf_counter() - start
             if not kv.complete or future.done():
                 return

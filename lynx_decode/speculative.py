@@ -17,8 +17,16 @@ estimate of when it completes.
 Algorithm (prompt ``ids``; every cache covers ``ids[:-1]``, see
 :mod:`lynx_decode.model.protocol`):
 
+0. Every pass reads, in each layer, the finest level whose layer has landed when
+   the pass reaches it (a level with ``take`` is asked to make a landed layer
+   readable), waiting for the pass's own level when none finer is in; while
+   the pass has read exact K/V in every layer so far, a layer waits (at most
+   ``step_s``) for its exact K/V when the exact level is due within a step. A
+   pass is as fine as its coarsest layer.
 1. Start on the coarsest level with buffers (pipelined), else on the best level
-   whose future resolved first. The first step emits a :class:`Tentative` token.
+   whose future resolved first. If the first step read exact K/V in every
+   layer, its token is :class:`Committed` (no verify pass) and step 4 follows;
+   otherwise it emits a :class:`Tentative` token.
 2. Draft further tokens on the current level (up to ``max_draft``) while the
    next level is not complete and: it has no buffers (its pass cannot start
    early, so drafting is free), or its estimated time to completion is more
@@ -32,7 +40,8 @@ Algorithm (prompt ``ids``; every cache covers ``ids[:-1]``, see
    cache to the prompt plus the ``k`` kept tokens, and emit :class:`Rollback`
    (if anything was rejected). On an intermediate level the kept tokens and
    ``preds[k]`` stay tentative (new ones as :class:`Tentative`) and step 2
-   continues there; on the exact level they are emitted as :class:`Committed`.
+   continues there; on a pass exact in every layer they are emitted as
+   :class:`Committed`.
 4. Continue greedily on the exact cache until ``max_new_tokens`` or EOS.
 
 So the first committed token follows the exact cache's last byte by about one
@@ -86,7 +95,10 @@ class DecodeConfig:
     drafting). ``wait_timeout_s`` bounds each wait for a cache future;
     ``full_timeout_s`` (None: ``wait_timeout_s``) bounds the wait for the full
     cache once the draft cache is in use, and ``on_missing_full`` says what
-    happens when it is exceeded or the full cache fails."""
+    happens when it is exceeded or the full cache fails. ``step_s`` (None: unknown)
+    is the expected time of one decode step, until the first is measured: while a
+    pass has read exact K/V in every layer so far, a layer whose exact K/V is not in
+    waits for it (at most a step) when the exact level is due within a step."""
 
     max_new_tokens: int = 32
     max_draft: int = DEFAULT_MAX_DRAFT
@@ -94,6 +106,7 @@ class DecodeConfig:
     wait_timeout_s: float = 600.0
     full_timeout_s: float | None = None
     on_missing_full: MissingFull = MissingFull.FAIL
+    step_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -104,6 +117,8 @@ class DecodeConfig:
             raise DecodeError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
         if self.full_timeout_s is not None and not self.full_timeout_s > 0:
             raise DecodeError(f"full_timeout_s must be > 0, got {self.full_timeout_s}")
+        if self.step_s is not None and not self.step_s > 0:
+            raise DecodeError(f"step_s must be > 0, got {self.step_s}")
 
 
 @dataclass(frozen=True)
@@ -124,11 +139,15 @@ class CacheLevel:
     """One cache the engine can run on: ``future`` resolves to it once complete;
     ``buffers`` (optional) are those buffers while they fill, so a pass can start
     before and wait per layer; ``eta`` (optional) estimates the seconds until it
-    completes (None: unknown)."""
+    completes (None: unknown); ``take`` (optional) makes one layer of ``buffers``
+    readable if its bytes land within a timeout (``take(i, timeout)`` True: it is;
+    the assembler dequantizes a layer it held back, on the calling thread).
+    Without ``take`` a layer is readable once ``buffers`` has it written."""
 
     future: cf.Future[KVBuffers]
     buffers: KVBuffers | None = None
     eta: Callable[[], float | None] | None = None
+    take: Callable[[int, float], bool] | None = None
 
 
 #: Draft another token only while the next level is more than this many draft steps
@@ -206,6 +225,9 @@ class _Run:
         self.n_max = config.max_new_tokens
         self.last = len(chain) - 1
         self.waited = 0.0  # seconds the current pass spent waiting for layers
+        self.first_levels: tuple[int, ...] = ()  # the level each layer of the first pass read
+        self.verify_passes = 0
+        self.step_s = config.step_s  # a decode step: the hint, then what the first step took
 
     def since(self) -> float:
         return self.clock() - self.t0
@@ -229,26 +251,90 @@ class _Run:
             raise DecodeError(f"no KV cache arrived within {self.config.wait_timeout_s} s")
         return self._best_done()
 
-    def _open(self, index: int, timeout: float) -> LMCache:
-        """The model cache of level ``index``: complete, or filling (a pass waits per layer
-        until ``timeout`` seconds from now)."""
+    def _source(self, index: int) -> KVBuffers | None:
+        """Level ``index``'s buffers: its resolved cache, else the buffers it fills (None: neither)."""
         level = self.chain[index]
-        name = "full" if index == self.last else ("draft" if index == 0 else f"level-{index} draft")
+        future = level.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            kv = future.result()
+            return kv if isinstance(kv, KVBuffers) else None
+        return level.buffers
+
+    def _readable(self, index: int, layer: int) -> KVBuffers | None:
+        """Level ``index``'s buffers when their layer ``layer`` can be read now, else None."""
+        kv = self._source(index)
+        if kv is None:
+            return None
+        take = self.chain[index].take
+        return kv if kv.written(layer) or (take is not None and take(layer, 0.0)) else None
+
+    def _wait_for_exact(self, layer: int, timeout: float) -> KVBuffers | None:
+        """The exact level's buffers if its layer ``layer`` can be read within ``timeout``
+        seconds, else None (only for a level that can be waited on: it has ``take``)."""
+        level = self.chain[self.last]
+        kv = self._source(self.last)
+        if level.take is None or kv is None or timeout <= 0:
+            return None
+        return kv if level.take(layer, timeout) else None
+
+    def _exact_within_a_step(self) -> float:
+        """How long a layer waits for its exact K/V rather than read a coarser level: the
+        exact level's time to completion when that is within one decode step (a pass read
+        on a coarser layer costs a verify pass later, at least a step), else 0."""
+        eta = self.chain[self.last].eta
+        remaining = eta() if eta is not None else None
+        if remaining is None or self.step_s is None or remaining > self.step_s:
+            return 0.0
+        return min(self.step_s, 2 * remaining + 0.002)
+
+    def _open(self, floor: int, timeout: float) -> tuple[LMCache, list[int]]:
+        """A model cache for a pass on level ``floor`` or finer, and the level each layer
+        read (filled in as the pass reaches it): layer ``i`` reads the finest level whose
+        layer ``i`` is in at that moment, waiting (until ``timeout`` seconds from now) for
+        ``floor``'s when none is. A pass that read the exact level in every layer is exact."""
+        level = self.chain[floor]
+        name = "full" if floor == self.last else ("draft" if floor == 0 else f"level-{floor} draft")
+        used = [floor] * self.model.info.num_layers
+        finer = range(self.last, floor, -1)
         if level.buffers is not None and not level.future.done():
-            kv = level.buffers
-            deadline = time.monotonic() + timeout
+            base = level.buffers  # filling: the pass starts now and waits per layer
+        else:
+            base = _result(level.future, name, timeout)
+            if floor == self.last or not base.complete:  # (the model refuses an incomplete one)
+                return _cache(self.model, base, self.cached), used
+        deadline = time.monotonic() + timeout
 
-            def wait(i: int) -> None:
-                start = time.perf_counter()
-                try:
-                    kv.wait_layer(i, max(0.0, deadline - time.monotonic()))
-                except DecodeError as exc:
-                    raise DecodeError(f"the {name} KV cache failed: {exc}") from exc
-                finally:
-                    self.waited += time.perf_counter() - start
+        def finest(i: int) -> KVBuffers | None:
+            for index in finer:
+                kv = self._readable(index, i)
+                if kv is not None:
+                    used[i] = index
+                    return kv
+            return None
 
-            return _cache(self.model, kv, self.cached, wait)
-        return _cache(self.model, _result(level.future, name, timeout), self.cached)
+        def wait(i: int) -> KVBuffers | None:
+            start = time.perf_counter()
+            try:
+                kv = finest(i)
+                if kv is None and not base.written(i):
+                    try:
+                        base.wait_layer(i, max(0.0, deadline - time.monotonic()))
+                    except DecodeError as exc:
+                        raise DecodeError(f"the {name} KV cache failed: {exc}") from exc
+                    kv = finest(i)  # a finer level may have landed meanwhile
+                if used[i] != self.last and all(u == self.last for u in used[:i]):
+                    # exact so far: wait a little for this layer's exact K/V when the exact
+                    # level is due within a step, so the pass stays exact (no verify pass)
+                    exact = self._wait_for_exact(i, min(self._exact_within_a_step(),
+                                                        max(0.0, deadline - time.monotonic())))
+                    if exact is not None:
+                        used[i] = self.last
+                        return exact
+                return kv
+            finally:
+                self.waited += time.perf_counter() - start
+
+        return _cache(self.model, base, self.cached, wait), used
 
     def _timed_forward(self, cache: LMCache, tokens: list[int]) -> tuple[np.ndarray, float]:
         """Logits and the pass's compute time (wall time less the time spent waiting for layers)."""
@@ -273,12 +359,20 @@ class _Run:
     def events(self) -> Iterator[Event]:
         cur = self._start_level()
         if cur == self.last:
-            yield from self._greedy(self._open(cur, self.config.wait_timeout_s))
+            cache, used = self._open(cur, self.config.wait_timeout_s)
+            self.first_levels = tuple(used)
+            yield from self._greedy(cache)
             return
         draft_start = self.since()
-        cache = self._open(cur, self.config.wait_timeout_s)
+        cache, used = self._open(cur, self.config.wait_timeout_s)
         logits, step_s = self._timed_forward(cache, [self.ids[-1]])
+        self.step_s = step_s
         toks = [int(np.argmax(logits[-1]))]
+        self.first_levels = tuple(used)
+        cur = min(used)
+        if cur == self.last:  # every layer read exact K/V: the token is final, as INT8's first is
+            yield from self._greedy(cache, toks)
+            return
         ttft = self.since()
         yield Tentative(toks[0], 0)
         full_timeout = self.config.full_timeout_s or self.config.wait_timeout_s
@@ -292,10 +386,12 @@ class _Run:
                 nxt = max(nxt, self._best_done())
             taken = self.since()
             try:
-                ncache = self._open(nxt, full_timeout if nxt == self.last else self.config.wait_timeout_s)
+                ncache, used = self._open(nxt, full_timeout if nxt == self.last else self.config.wait_timeout_s)
                 pass_start = self.clock()
                 preds = [int(t) for t in np.argmax(_forward(self.model, ncache, [self.ids[-1], *toks]), axis=-1)]
                 pass_s = self.clock() - pass_start
+                self.verify_passes += 1
+                nxt = min(used)  # the pass is as fine as its coarsest layer
             except DecodeError as exc:
                 if self.config.on_missing_full is MissingFull.FAIL:
                     raise
@@ -325,6 +421,7 @@ class _Run:
         if commit is None:
             commit = [int(np.argmax(_forward(self.model, fcache, [self.ids[-1]])[-1]))]
         ttfct = self.since()
+
         out = list(commit)
         yield Committed(tuple(commit), 0)
         while len(out) < self.n_max and out[-1] not in self.eos:
@@ -336,14 +433,16 @@ class _Run:
             yield Done(DecodeMetrics(
                 ttft_s=ttfct, ttfct_s=ttfct, e2e_s=e2e, acceptance_rate=None, drafted=0, accepted=0,
                 new_tokens=len(out), speculative=False, draft_start_s=None, full_ready_s=full_ready,
-                verify_s=None, stopped_at_eos=out[-1] in self.eos), tuple(out))
+                verify_s=None, stopped_at_eos=out[-1] in self.eos, first_token_committed=True,
+                first_pass_levels=self.first_levels), tuple(out))
             return
         toks, accepted, ttft, draft_start, taken, pass_s = spec
         yield Done(DecodeMetrics(
             ttft_s=ttft, ttfct_s=ttfct, e2e_s=e2e, acceptance_rate=accepted / len(toks),
             drafted=len(toks), accepted=accepted, new_tokens=len(out), speculative=True,
             draft_start_s=draft_start, full_ready_s=taken, verify_s=pass_s,
-            stopped_at_eos=out[-1] in self.eos), tuple(out))
+            stopped_at_eos=out[-1] in self.eos, verify_passes=self.verify_passes,
+            first_pass_levels=self.first_levels), tuple(out))
 
 
 def _finish_unverified(model: CausalLM, dcache: LMCache, ids: list[int], drafts: list[int],
@@ -399,7 +498,7 @@ def _result(future: cf.Future[KVBuffers], name: str, timeout: float) -> KVBuffer
 
 
 def _cache(model: CausalLM, kv: KVBuffers, cached: int,
-           wait: Callable[[int], None] | None = None) -> LMCache:
+           wait: Callable[[int], KVBuffers | None] | None = None) -> LMCache:
     if kv.shape.tokens != cached:
         raise DecodeError(f"the received cache covers {kv.shape.tokens} positions; the "
                           f"prompt needs {cached} (all prompt tokens but the last)")

@@ -199,7 +199,7 @@ class HeldPrefills:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         raise DecodeError("the vLLM producer has no tokenizer")
 
-    def cache_from(self, kv: KVBuffers, *, wait: Callable[[int], None] | None = None) -> LMCache:
+    def cache_from(self, kv: KVBuffers, *, wait: Callable[[int], KVBuffers | None] | None = None) -> LMCache:
         raise DecodeError("the vLLM producer does not decode")
 
     def forward(self, cache: LMCache, token_ids: Sequence[int]) -> np.ndarray:

@@ -250,6 +250,16 @@ class KVBuffers:
             if not self._written[index]:
                 raise DecodeError(f"KV layer {index} will not arrive: {self._error}") from self._error
 
+    def written(self, index: int) -> bool:
+        """True once layer ``index`` has been written (never blocks)."""
+        self._check_index(index)
+        return bool(self._written[index])
+
+    def same_layout(self, other: KVBuffers) -> bool:
+        """True when ``other`` holds the same positions per layer in storage of the same
+        capacity, so a cache can read one layer from either."""
+        return self.shape == other.shape and self.headroom == other.headroom
+
     @property
     def complete(self) -> bool:
         """True once every layer has been written."""

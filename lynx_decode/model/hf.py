@@ -193,7 +193,7 @@ class HFCausalLM:
         return Prefill(tuple(ids), kv, time.perf_counter() - start)
 
     def cache_from(self, kv: KVBuffers, *,
-                   wait: Callable[[int], None] | None = None) -> SlabCache:
+                   wait: Callable[[int], KVBuffers | None] | None = None) -> SlabCache:
         """A model cache over ``kv``: each layer whole, or for a sliding-window layer
         either whole or only its window's last positions (a received cache)."""
         shape, info = kv.shape, self._info
@@ -347,7 +347,7 @@ class SlabCache:
     """A transformers cache whose layers are views over preallocated slabs."""
 
     def __init__(self, kv: KVBuffers, *, length: int,
-                 wait: Callable[[int], None] | None = None,
+                 wait: Callable[[int], KVBuffers | None] | None = None,
                  windows: Sequence[int | None] | None = None) -> None:
         import torch  # noqa: PLC0415
         from transformers import DynamicCache  # noqa: PLC0415
@@ -375,7 +375,14 @@ class SlabCache:
         assert self._wait is not None
         if self.governor is not None:
             self.governor.update(self._kv.complete)
-        self._wait(index)
+        source = self._wait(index)
+        if source is not None and source is not self._kv:  # this layer reads another level's K/V
+            if not source.same_layout(self._kv):
+                raise DecodeError(f"layer {index}: the buffers to read have another layout than the cache's")
+            import torch  # noqa: PLC0415
+
+            self._layers[index].rebind(torch.from_numpy(source.storage_keys[index])[None],
+                                       torch.from_numpy(source.storage_values[index])[None])
 
     @property
     def filling(self) -> bool:
@@ -435,6 +442,11 @@ def _slab_layer_classes() -> tuple[type, type]:
             self.grew = False
             self.offset = offset
             self.set_length(length)
+
+        def rebind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """Read (and append to) other slabs of the same shape from now on."""
+            self.k_slab, self.v_slab = keys, values
+            self.set_length(self.length)
 
         def set_length(self, length: int) -> None:
             self.length = self.cumulative_length = length

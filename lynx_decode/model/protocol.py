@@ -119,12 +119,15 @@ class CausalLM(Protocol):
         ...
 
     def cache_from(self, kv: KVBuffers, *,
-                   wait: Callable[[int], None] | None = None) -> LMCache:
-        """A model cache over ``kv`` (no copy; ``kv`` is never written). Raises
-        DecodeError if the shape does not match the model, or, without ``wait``,
-        if a layer is missing. With ``wait``, ``kv`` may still be filling:
-        ``wait(i)`` is called (once) before layer ``i``'s cache is first used, so
-        a forward pass can start while later layers are still arriving."""
+                   wait: Callable[[int], KVBuffers | None] | None = None) -> LMCache:
+        """A model cache over ``kv`` (no copy; the received positions are never
+        written). Raises DecodeError if the shape does not match the model, or,
+        without ``wait``, if a layer is missing. With ``wait``, ``kv`` may still be
+        filling: ``wait(i)`` is called (once) before layer ``i``'s cache is first
+        used, so a forward pass can start while later layers are still arriving.
+        It returns the buffers layer ``i`` reads from then on: ``None`` for ``kv``'s
+        own, or other buffers of the same layout (:meth:`KVBuffers.same_layout`:
+        another level of the same stream, whose layer ``i`` is finer)."""
         ...
 
     def forward(self, cache: LMCache, token_ids: Sequence[int]) -> np.ndarray:

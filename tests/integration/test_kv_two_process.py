@@ -174,6 +174,47 @@ def test_the_residual_never_waits_and_verification_rides_on_it(model, residual_r
                    m["transfer_residual_s"], m["ttfct_s"])
 
 
+@pytest.fixture(scope="module")
+def unshaped_runs(model, server, node) -> tuple[tuple[int, ...], list[tuple[dict, list[Event]]]]:
+    """INT8's tokens and five LYNX runs of a short prompt over the unshaped loopback link, where
+    the whole cache (~3 MB) lands in a few milliseconds: within the first step."""
+    ids = model.tokenize(filler_prose(model.tokenize, 300, 108))
+    int8 = node.run(server, ids, scheme=Scheme.INT8, max_new_tokens=8)
+    runs = []
+    for _ in range(5):
+        events: list[Event] = []
+        lynx = node.run(server, ids, scheme=Scheme.LYNX, max_new_tokens=8, on_event=events.append)
+        assert lynx.tokens == int8.tokens
+        runs.append((lynx.metrics, events))
+    return int8.tokens, runs
+
+
+def test_a_first_step_on_exact_kv_in_every_layer_is_final_at_once(model, unshaped_runs) -> None:
+    """What the design guarantees: each layer of the first step read the finest level in when
+    the step reached it; where that was the exact one in every layer, the first token came out
+    committed, nothing was drafted or verified, and every region had landed before it; where
+    some layer read its anchors only, the first token was tentative and a verify pass ran."""
+    _, runs = unshaped_runs
+    last = 1  # planes 4,4: level 0 the anchors, level 1 exact
+    for m, events in runs:
+        levels = m["first_pass_levels"]
+        assert len(levels) == model.info.num_layers and set(levels) <= {0, last}, levels
+        if m["first_token_committed"]:
+            assert set(levels) == {last} and m["verify_passes"] == 0 and m["drafted"] == 0
+            assert isinstance(events[0], Committed) and not any(isinstance(e, Tentative) for e in events)
+            assert _landed_by(m, range(len(m["arrivals_s"]))) <= m["ttft_s"] == m["ttfct_s"]
+        else:
+            assert 0 in levels and m["verify_passes"] >= 1 and isinstance(events[0], Tentative)
+
+
+@pytest.mark.timing
+def test_on_an_unshaped_link_the_first_token_is_committed_without_a_verify_pass(unshaped_runs, timing) -> None:
+    # the whole cache lands within the first step: every layer reads exact K/V, as INT8 would
+    _, runs = unshaped_runs
+    timing.at_least("unshaped link: LYNX runs whose first token was committed at once, of 5",
+                    sum(m["first_token_committed"] for m, _ in runs), 3, unit="")
+
+
 def test_prompt_beyond_context_is_refused_clearly(model, server, node) -> None:
     ids = [model.tokenize("hello")[0]] * (model.info.max_positions + 1)
     with pytest.raises(PromptError, match="context window of 8192"):

@@ -227,3 +227,57 @@ def test_drafts_rolled_back_inside_a_window_still_commit_int8s_tokens(arch: str,
         assert gen.metrics.drafted >= 6
         rolled_back += sum(isinstance(e, Rollback) for e in events)
     assert rolled_back > 0  # 2-bit drafts on a random model: some were wrong, and were rolled back
+
+
+@pytest.mark.parametrize("planes", [(4, 4), (3, 5), (2, 2, 4)])
+def test_each_layer_on_the_finest_level_in_still_commits_int8s_tokens(planes: tuple[int, ...],
+                                                                      models: dict[str, HFCausalLM]) -> None:
+    """The real model, layers on mixed levels: before the first step the exact K/V of every
+    third layer is in, a middle level (2,2,4) of the next ones, the anchors of the rest land
+    as the pass reaches them; the rest of each level lands after a few drafts (drafting on
+    the mixed cache, a verify pass on the finest levels per layer, rollbacks). The committed
+    tokens are INT8's; the first pass read what was in. Then every layer exact as the pass
+    reaches it: the first token is final, no verify pass."""
+    import concurrent.futures as cf
+
+    from lynx_decode.events import Committed, Rollback
+    from lynx_decode.speculative import CacheLevel, DecodeConfig, decode_events
+    from tests._speculative_helpers import Landing, LandsWith, check_events
+
+    model = models["llama"]
+    layers, last = model.info.num_layers, len(planes) - 1
+    rolled_back = 0
+    for seed in range(3):
+        ids = _prompt(model, 200 + seed)
+        reference = int8_greedy(model, ids, NEW_TOKENS)
+        bufs = [Landing(kv, cf.Future()) for kv in _caches(model, ids, planes, headroom=NEW_TOKENS + 10)]
+        for i in range(0, layers, 3):
+            bufs[last].land(i)
+        if last == 2:
+            for i in range(1, layers, 3):
+                bufs[1].land(i)
+        events: list[object] = []
+        for event in decode_events(model, ids, levels=[CacheLevel(kv.future, kv) for kv in bufs],
+                                   config=DecodeConfig(max_new_tokens=NEW_TOKENS, max_draft=8),
+                                   t0=0.0):
+            events.append(event)
+            if len(events) == 3 + seed:
+                for kv in bufs:
+                    kv.land_all()
+        check_events(events, reference)  # type: ignore[arg-type]
+        m = events[-1].metrics  # type: ignore[attr-defined]
+        want = [last if i % 3 == 0 else (1 if last == 2 and i % 3 == 1 else 0) for i in range(layers)]
+        assert list(m.first_pass_levels) == want and not m.first_token_committed and m.verify_passes >= 1
+        rolled_back += sum(isinstance(e, Rollback) for e in events)
+
+        # the residual of each layer lands as the pass reaches it: exact in every layer, final at once
+        bufs = [Landing(kv, cf.Future()) for kv in _caches(model, ids, planes, headroom=NEW_TOKENS + 10)]
+        anchor = LandsWith(bufs[0].source, cf.Future(), bufs[last])
+        chain = [CacheLevel(anchor.future, anchor), *(CacheLevel(kv.future, kv) for kv in bufs[1:])]
+        events = list(decode_events(model, ids, levels=chain,
+                                    config=DecodeConfig(max_new_tokens=NEW_TOKENS), t0=0.0))
+        assert list(events[-1].tokens) == reference  # type: ignore[union-attr]
+        m = events[-1].metrics  # type: ignore[union-attr]
+        assert m.first_token_committed and m.verify_passes == 0 and set(m.first_pass_levels) == {last}
+        assert all(isinstance(e, Committed) for e in events[:-1])
+    assert rolled_back > 0  # coarse drafts on a random model: some were rolled back

@@ -279,6 +279,21 @@ def test_an_incomplete_utf8_sequence_waits_for_its_last_byte() -> None:
     assert stream.feed(Done(METRICS, (0, 1, 2))) == "\n"
 
 
+def test_a_tentative_token_inside_a_utf8_sequence_is_shown_dim_until_it_completes() -> None:
+    pieces = [b"caf", b"\xc3", b"\xa9!"]
+
+    def detok(ids: Sequence[int]) -> str:
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    stream, screen = TokenStream(detok, tty=True), _Screen(80)
+    screen.feed(_feed(stream, [Committed((0,), 0), Tentative(1, 1)]))
+    assert screen.text() == "caf\ufffd" and screen.cells()[0][-1] == ("\ufffd", "dim")  # the token came
+    screen.feed(_feed(stream, [Tentative(2, 2)]))
+    assert screen.text() == "café!"
+    screen.feed(_feed(stream, [Committed((1, 2), 1), Done(METRICS, (0, 1, 2))]))
+    assert screen.text() == "café!" and {s for line in screen.cells() for _, s in line} == {""}
+
+
 def test_unverified_tokens_are_yellow_and_a_failed_run_erases_its_tentative_tokens() -> None:
     stream, screen = TokenStream(_detok, tty=True), _Screen(80)
     screen.feed(_feed(stream, [Tentative(0, 0), Tentative(1, 1), Unverified((0, 1), 0), Unverified((2,), 2)]))
@@ -327,7 +342,7 @@ def _toy_run(argv: list[str]) -> int:
     original = generate_cli.decode_node
     generate_cli.load_model = lambda args: model  # type: ignore[assignment]
     generate_cli.probe = lambda server, timeout: None  # type: ignore[assignment]  # no TCP here
-    generate_cli.decode_node = lambda args, m: original(args, m, transport=transport)  # type: ignore[assignment]
+    generate_cli.decode_node = lambda args, m: _holding(original(args, m, transport=transport))  # type: ignore[assignment]
     with PrefillNode(model, transport=transport, timeouts=Timeouts(stream_s=10.0)) as prefill:
         stop = threading.Event()
         server = threading.Thread(target=prefill.serve, args=(stop,), kwargs={"poll_s": 0.02})
@@ -341,6 +356,15 @@ def _toy_run(argv: list[str]) -> int:
         finally:
             stop.set()
             server.join(5)
+
+
+def _holding(node: Any) -> Any:
+    """The decode node with the residual held until the first token is out: the toy's
+    cache would otherwise land whole before the first step, which then reads exact K/V in
+    every layer, commits at once and drafts nothing to show."""
+    run = node.run
+    node.run = lambda *args, **kwargs: run(*args, hold_residual=True, **kwargs)
+    return node
 
 
 def _child(tmp_path: Path, *flags: str) -> list[str]:

@@ -138,6 +138,29 @@ def test_the_assembled_caches_equal_the_codecs_reconstruction(transport, scheme)
         assert pool.free_bytes == pool.nbytes and not decoder.errors
 
 
+def test_a_layer_the_gate_held_back_is_taken_on_the_engines_thread(transport) -> None:
+    # the gate closed (no first token yet): the exact level's layers land but wait; the engine
+    # takes the one it is about to read (dequantized on its thread, bit for bit INT8's), not
+    # the others; the gate, once opened, does the rest
+    prefill, config = _prefill(), CodecConfig(scheme=Scheme.LYNX)
+    with decode_side(transport) as (decoder, conn, _):
+        sending = send_cache(conn, prefill, "m", config, request_id="r", t0_unix=0.0)
+        asm = decoder.assembler.result(WAIT)
+        sending.wait(WAIT)
+        assert decoder.stream is not None and asm.draft is not None
+        assert wait_until(lambda: asm.eta(1) == 0.0, WAIT)  # every region's callback came
+        exact = asm.levels[-1]
+        assert exact.buffers is not None and exact.take is not None
+        assert not exact.buffers.written(2) and not asm.full.done()
+        assert exact.take(2) and exact.buffers.written(2)
+        k, v = _reference(prefill, CodecConfig(scheme=Scheme.INT8), 2)
+        assert np.array_equal(exact.buffers.layer(2)[0], k) and np.array_equal(exact.buffers.layer(2)[1], v)
+        assert [exact.buffers.written(i) for i in range(INFO.num_layers)] == [False, False, True, False]
+        asm.open_full_gate()
+        assert asm.full.result(WAIT) is exact.buffers and exact.take(0)
+        decoder.stream.release()
+
+
 def test_a_held_residual_waits_for_the_decode_side(transport) -> None:
     prefill, config = _prefill(), CodecConfig(scheme=Scheme.LYNX)
     with decode_side(transport) as (decoder, conn, _):

@@ -72,9 +72,12 @@ def test_lynx_commits_exactly_what_int8_decodes(nodes: Any) -> None:
     prefill, decode, _ = nodes
     int8 = decode.run(prefill.address, PROMPT, scheme=Scheme.INT8, max_new_tokens=12)
     events: list[Event] = []
+    # the residual held until the first token is out: the toy's cache would otherwise land
+    # whole before the first step (then every layer reads exact K/V and nothing is drafted)
     lynx = decode.run(prefill.address, PROMPT, scheme=Scheme.LYNX, max_new_tokens=12,
-                      on_event=events.append)
+                      on_event=events.append, hold_residual=True)
     assert lynx.tokens == int8.tokens and len(lynx.tokens) == 12
+    assert lynx.metrics["first_pass_levels"] == [0] and not lynx.metrics["first_token_committed"]
     m = int8.metrics  # one decode step: the 11 greedy steps after the first token
     assert m["step_s"] == pytest.approx((m["e2e_s"] - m["ttfct_s"]) / 11)
     assert lynx.metrics["verified"] is True

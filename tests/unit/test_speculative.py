@@ -22,19 +22,17 @@ from lynx_decode.errors import DecodeError, PromptError
 from lynx_decode.events import Committed, Done, Event, Rollback, Tentative
 from lynx_decode.model import KVBuffers, KVShape
 from lynx_decode.speculative import DecodeConfig, decode_events, generate, ready
-from tests._speculative_helpers import EOS, STEP_S, VOCAB, Clock, LandsWhenAwaited, ToyCache, ToyLM
-
-
-def greedy_reference(model: ToyLM, ids: list[int], kv: KVBuffers, n: int) -> list[int]:
-    cache = model.cache_from(kv)
-    out: list[int] = []
-    x = ids[-1]
-    while len(out) < n:
-        x = int(np.argmax(model.forward(cache, [x])[-1]))
-        out.append(x)
-        if x in model.info.eos_token_ids:
-            break
-    return out
+from tests._speculative_helpers import (
+    EOS,
+    STEP_S,
+    VOCAB,
+    Clock,
+    LandsWhenAwaited,
+    ToyCache,
+    ToyLM,
+    check_events,
+    greedy_reference,
+)
 
 
 def offset(kv: KVBuffers, delta: float) -> KVBuffers:
@@ -57,30 +55,6 @@ def drive(model: ToyLM, ids: list[int], full_kv: KVBuffers, draft_kv: KVBuffers 
         if sum(isinstance(e, Tentative) for e in events) == full_after and not full.done():
             full.set_result(full_kv)
     return events
-
-
-def check_events(events: list[Event], expected: list[int]) -> None:
-    """The event protocol, replayed as an embedder would."""
-    shown: list[int] = []
-    committed: list[int] = []
-    assert isinstance(events[-1], Done)
-    for event in events[:-1]:
-        assert not isinstance(event, Done)
-        if isinstance(event, Tentative):
-            assert not committed, "tentative tokens only before the first commit"
-            assert event.position == len(shown)
-            shown.append(event.token)
-        elif isinstance(event, Rollback):
-            assert event.from_position + event.n_rejected == len(shown)
-            assert event.n_rejected > 0
-            shown = shown[: event.from_position]
-        else:
-            assert event.position == len(committed)
-            committed.extend(event.tokens)
-            # committed tokens confirm what was shown, then extend it
-            assert committed[: len(shown)] == shown[: len(committed)]
-    assert committed == expected
-    assert list(events[-1].tokens) == expected
 
 
 prompts = st.lists(st.integers(1, VOCAB - 1), min_size=2, max_size=60)
