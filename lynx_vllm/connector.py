@@ -131,6 +131,7 @@ class LynxConnector(KVConnectorBase_V1):
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
         self._kv_layers: list[torch.Tensor] = []
+        self._layout: paged.BlockLayout | None = None  # None: the vec layout
         self._layer_index: dict[str, int] = {}
         self._held: HeldPrefills | None = None
         self._stopped = threading.Event()
@@ -148,8 +149,20 @@ class LynxConnector(KVConnectorBase_V1):
         self._kv_layers = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         first = next(iter(kv_caches.values()))
-        heads, head_size = paged.check_layout(first, block_size=self._block_size,
-                                              isa=_isa(first, self._block_size, first.shape[3] // 2))
+        isa = _isa(first, self._block_size, first.shape[3] // 2)
+        if isa is not None and isa not in paged.VERIFIED_ISAS:  # measured with vLLM's own cache write
+            from vllm import _custom_ops as ops  # noqa: PLC0415 - CPU builds only
+
+            self._layout = paged.probe_layout(
+                isa, self._block_size, first.shape[3] // 2, first.dtype,
+                lambda key, value, kc, vc, slots: ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa))
+            log.info("LynxConnector: vLLM's %r attention kernel's block layout probed", isa)
+            if isa == "amx" and not torch.cpu._init_amx():
+                # vLLM's AMX attention kernel relies on the process having asked the kernel for the
+                # tile state (oneDNN asks, it seems, on its first large GEMM): a decode instance whose first
+                # forward is a loaded request's one token never ran one, and died on SIGILL
+                raise ConnectorError("vLLM picked its AMX attention kernel, but this process may not use AMX")
+        heads, head_size = paged.check_layout(first, block_size=self._block_size, isa=isa, layout=self._layout)
         for name, kv in kv_caches.items():
             if tuple(kv.shape) != tuple(first.shape):
                 raise ConnectorError(f"layer {name} has cache shape {tuple(kv.shape)}, the first "
@@ -205,7 +218,7 @@ class LynxConnector(KVConnectorBase_V1):
         only (``spec.own_blocks``), in inference mode as vLLM's forward writes (torch's mode is per thread)."""
         with torch.inference_mode():
             paged.scatter(self._kv_layers[index], spec.block_ids, spec.start, k[:, spec.start : spec.end],
-                          v[:, spec.start : spec.end], allowed=spec.own_blocks)
+                          v[:, spec.start : spec.end], allowed=spec.own_blocks, layout=self._layout)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Asynchronous loads whose cache is in place (every plane of every layer written), or that
@@ -233,7 +246,8 @@ class LynxConnector(KVConnectorBase_V1):
                 continue
             try:
                 k, v = self._loader.layer(load, index)
-                paged.scatter(kv, spec.block_ids, spec.start, k[:, spec.start : spec.end], v[:, spec.start : spec.end])
+                paged.scatter(kv, spec.block_ids, spec.start, k[:, spec.start : spec.end], v[:, spec.start : spec.end],
+                              layout=self._layout)
                 load.tokens_loaded = spec.end - spec.start
             except LoadError:
                 pass  # the load is marked failed
@@ -272,7 +286,7 @@ class LynxConnector(KVConnectorBase_V1):
             try:
                 if index == 0:
                     self._held.begin(spec.prompt_ids, spec.request_id)
-                k, v = paged.gather(kv_layer, spec.block_ids, 0, len(spec.prompt_ids) - 1)
+                k, v = paged.gather(kv_layer, spec.block_ids, 0, len(spec.prompt_ids) - 1, self._layout)
                 self._held.save_layer(spec.prompt_ids, index, paged.to_float32(k), paged.to_float32(v))
             except Exception as exc:  # noqa: BLE001 - a failed save loses that request's hand-off only
                 log.warning("could not save layer %d of request %s: %s", index, spec.request_id, exc)

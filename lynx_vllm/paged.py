@@ -8,8 +8,12 @@ K *transposed*, ``[head_size, block_size]``, then V, ``[block_size, head_size]``
 halves to ``cpu_attn_reshape_and_cache``; the transposition was measured
 against transformers' K for the same weights, see ``tests/vllm``). Indexing a
 token as ``tensor[block, :, offset]`` (vLLM's example connector) therefore
-reads neither its K nor its V. Other layouts (AMX, ``vec16``, GPU backends) are
-refused by :func:`check_layout` rather than guessed.
+reads neither its K nor its V. Every other CPU kernel's layout (``amx`` on hosts with
+AMX tiles: bf16 pairs interleaved for the tile loads; ``vec16``) is *measured*, not
+guessed: :func:`probe_layout` has vLLM's own ``cpu_attn_reshape_and_cache`` write a
+block of known values and reads back where each token's K and V landed
+(:class:`BlockLayout`); one that is not a permutation of the cell, and GPU caches,
+are refused.
 
 Token ``t`` of a request lives in block ``block_ids[t // block_size]`` at offset
 ``t % block_size``.
@@ -22,32 +26,82 @@ even on the way in): exact, and on this machine's torch about 200x faster than
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from lynx_vllm.errors import ConnectorError
 
-__all__ = ["VERIFIED_ISAS", "blocks_of", "check_layout", "gather", "scatter", "to_float32"]
+__all__ = ["VERIFIED_ISAS", "BlockLayout", "blocks_of", "check_layout", "gather", "probe_layout", "scatter",
+           "to_float32"]
 
-#: The CPU attention layouts this module reads and writes.
+#: The CPU attention layout this module slices directly (the others are probed).
 VERIFIED_ISAS = frozenset({"vec"})
 
+#: ``write(key, value, key_cache, value_cache, slot_mapping)``: vLLM's cache write for one ISA.
+CacheWrite = Callable[[Any, Any, Any, Any, Any], None]
 
-def check_layout(kv: Any, *, block_size: int, isa: str | None) -> tuple[int, int]:
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where token ``t``'s dimension ``d`` sits in one ``(block, head)`` cell: ``k_pos[t, d]``
+    into the cell's K half, ``v_pos[t, d]`` into its V half (``block_size * head_size``
+    elements each), as measured by :func:`probe_layout` for the kernel ``isa``."""
+
+    isa: str
+    k_pos: np.ndarray
+    v_pos: np.ndarray
+
+
+def probe_layout(isa: str, block_size: int, head_size: int, dtype: Any, write: CacheWrite) -> BlockLayout:
+    """Measure kernel ``isa``'s block layout: ``write`` (vLLM's own cache write) stores one
+    block of tokens whose values spell each ``(token, dim)`` index in base-256 digits (exact
+    in bf16), twice; where each index lands is the layout. :class:`ConnectorError` unless
+    both halves are a permutation of the cell."""
+    import torch  # noqa: PLC0415 - torch loads only with vLLM
+
+    n = block_size * head_size
+    index = torch.arange(n).view(block_size, 1, head_size)
+    code = torch.zeros((2, n), dtype=torch.int64)
+    for digit in range(2 if n > 256 else 1):
+        if n > 256 ** 2:
+            raise ConnectorError(f"cannot probe a block of {block_size} x {head_size}")
+        kv = torch.zeros((1, 1, block_size, 2 * head_size), dtype=dtype)
+        key_cache, value_cache = kv.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
+        spelled = ((index // 256 ** digit) % 256).to(dtype)
+        write(spelled.contiguous(), spelled.contiguous(), key_cache, value_cache,
+              torch.arange(block_size, dtype=torch.int64))
+        code += kv.view(2, n).float().round().long() * 256 ** digit
+    positions = []
+    for half, name in enumerate(("K", "V")):
+        at = code[half].numpy()
+        if not np.array_equal(np.sort(at), np.arange(n)):
+            raise ConnectorError(f"vLLM's {isa!r} attention kernel does not store a block's {name} as a "
+                                 "permutation of its values: LynxConnector cannot read or write it")
+        positions.append(np.argsort(at).reshape(block_size, head_size))
+    return BlockLayout(isa, positions[0], positions[1])
+
+
+def check_layout(kv: Any, *, block_size: int, isa: str | None,
+                 layout: BlockLayout | None = None) -> tuple[int, int]:
     """``(kv_heads, head_size)`` of a layer tensor, or :class:`ConnectorError` if its layout is not one
-    this module knows (``isa``: the CPU attention kernel vLLM chose for the layer)."""
+    this module knows (``isa``: the CPU attention kernel vLLM chose for the layer; ``layout``: its
+    probed layout, needed for any kernel but ``vec``)."""
     if kv.device.type != "cpu":
         raise ConnectorError(f"LynxConnector supports vLLM's CPU backend only; this cache is on {kv.device}")
-    if isa not in VERIFIED_ISAS:
-        raise ConnectorError(f"LynxConnector reads vLLM's CPU KV blocks in the {sorted(VERIFIED_ISAS)} layout; "
-                             f"this host's attention kernel is {isa!r} (its block layout is not verified)")
+    if isa not in VERIFIED_ISAS and (layout is None or layout.isa != isa):
+        raise ConnectorError(f"LynxConnector reads vLLM's CPU KV blocks in the {sorted(VERIFIED_ISAS)} layout, "
+                             f"or in one it probed; this host's attention kernel is {isa!r} and was not probed")
     if kv.dim() != 4 or kv.shape[2] != block_size or kv.shape[3] % 2:
         raise ConnectorError(f"unexpected CPU KV cache shape {tuple(kv.shape)} for block size {block_size} "
                              "(expected [num_blocks, kv_heads, block_size, 2 * head_size])")
     if not kv.is_contiguous():
         raise ConnectorError("vLLM's KV cache tensor is not contiguous")
+    if layout is not None and layout.k_pos.shape != (block_size, kv.shape[3] // 2):
+        raise ConnectorError(f"the probed layout is for blocks of {layout.k_pos.shape}, the cache's are "
+                             f"{(block_size, kv.shape[3] // 2)}")
     return int(kv.shape[1]), int(kv.shape[3]) // 2
 
 
@@ -77,15 +131,38 @@ def _spans(block_ids: Sequence[int], block_size: int, start: int, end: int) -> l
     return out
 
 
-def gather(kv: Any, block_ids: Sequence[int], start: int, end: int) -> tuple[Any, Any]:
-    """K and V of tokens ``[start, end)`` as new ``[kv_heads, end - start, head_size]`` tensors (kv's dtype)."""
+def _flat_cells(kv: Any) -> tuple[Any, Any]:
+    """K and V halves of every cell, flat: ``[blocks, heads, block_size * head_size]`` (views)."""
+    blocks, heads, size, dim2 = kv.shape
+    cells = kv.view(blocks, heads, 2, size * (dim2 // 2))
+    return cells[:, :, 0], cells[:, :, 1]
+
+
+def _positions(layout: BlockLayout, a: int, b: int) -> tuple[Any, Any]:
+    import torch  # noqa: PLC0415
+
+    return (torch.from_numpy(np.ascontiguousarray(layout.k_pos[a:b]).reshape(-1)),
+            torch.from_numpy(np.ascontiguousarray(layout.v_pos[a:b]).reshape(-1)))
+
+
+def gather(kv: Any, block_ids: Sequence[int], start: int, end: int,
+           layout: BlockLayout | None = None) -> tuple[Any, Any]:
+    """K and V of tokens ``[start, end)`` as new ``[kv_heads, end - start, head_size]`` tensors (kv's dtype),
+    from the ``vec`` layout, or ``layout`` (probed)."""
     import torch  # noqa: PLC0415 - torch loads only with vLLM; this package imports without it
 
-    k_cells, v_cells = _cells(kv)
     spans = _spans(block_ids, kv.shape[2], start, end)
     heads, dim = kv.shape[1], kv.shape[3] // 2
     k = torch.empty((heads, end - start, dim), dtype=kv.dtype)
     v = torch.empty((heads, end - start, dim), dtype=kv.dtype)
+    if layout is not None:
+        k_flat, v_flat = _flat_cells(kv)
+        for block, a, b, t in spans:
+            kp, vp = _positions(layout, a, b)
+            k[:, t - start : t - start + b - a] = k_flat[block][:, kp].view(heads, b - a, dim)
+            v[:, t - start : t - start + b - a] = v_flat[block][:, vp].view(heads, b - a, dim)
+        return k, v
+    k_cells, v_cells = _cells(kv)
     for block, a, b, t in spans:
         k[:, t - start : t - start + b - a] = k_cells[block, :, :, a:b].transpose(1, 2)
         v[:, t - start : t - start + b - a] = v_cells[block, :, a:b]
@@ -121,15 +198,14 @@ def blocks_of(block_ids: Sequence[int], block_size: int, start: int, end: int) -
 
 
 def scatter(kv: Any, block_ids: Sequence[int], start: int, k: Any, v: Any, *,
-            allowed: Collection[int] | None = None) -> None:
+            allowed: Collection[int] | None = None, layout: BlockLayout | None = None) -> None:
     """Write ``k``/``v`` (``[kv_heads, n, head_size]``: float32 NumPy arrays, as the codec decodes them,
     or torch tensors) as tokens ``[start, start + n)``, in the cache's dtype (bfloat16 rounded to nearest
-    even, as torch rounds).
+    even, as torch rounds), in the ``vec`` layout or ``layout`` (probed).
 
     ``allowed``: the only blocks the write may touch (an asynchronous load, which writes from a thread
     of its own while the engine runs other requests on the same tensor): :class:`ConnectorError`,
     before anything is written, if the tokens live in any other block."""
-    k_cells, v_cells = _cells(kv)
     n = k.shape[1]
     if tuple(k.shape) != tuple(v.shape) or k.shape[0] != kv.shape[1] or 2 * k.shape[2] != kv.shape[3]:
         raise ConnectorError(f"K/V of shape {tuple(k.shape)}/{tuple(v.shape)} do not fit the cache "
@@ -141,6 +217,15 @@ def scatter(kv: Any, block_ids: Sequence[int], start: int, k: Any, v: Any, *,
             raise ConnectorError(f"tokens [{start}, {start + n}) live in blocks {stray}, which the load does not "
                                  "own (shared or cached blocks are never written by an asynchronous load)")
     k, v = _as_cache(k, kv.dtype), _as_cache(v, kv.dtype)
+    if layout is not None:
+        k_flat, v_flat = _flat_cells(kv)
+        heads = kv.shape[1]
+        for block, a, b, t in spans:
+            kp, vp = _positions(layout, a, b)
+            k_flat[block][:, kp] = k[:, t - start : t - start + b - a].reshape(heads, -1)
+            v_flat[block][:, vp] = v[:, t - start : t - start + b - a].reshape(heads, -1)
+        return
+    k_cells, v_cells = _cells(kv)
     for block, a, b, t in spans:
         k_cells[block, :, :, a:b] = k[:, t - start : t - start + b - a].transpose(1, 2)
         v_cells[block, :, a:b] = v[:, t - start : t - start + b - a]

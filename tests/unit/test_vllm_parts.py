@@ -152,10 +152,47 @@ def test_gather_scatter_round_trip_over_partial_blocks() -> None:
 def test_unverified_layouts_are_refused() -> None:
     kv = _vec_cache(2, 2, 16, 8)
     assert paged.check_layout(kv, block_size=16, isa="vec") == (2, 8)
-    with pytest.raises(ConnectorError, match="'amx'"):
+    with pytest.raises(ConnectorError, match="'amx' and was not probed"):
         paged.check_layout(kv, block_size=16, isa="amx")
     with pytest.raises(ConnectorError, match="unexpected CPU KV cache shape"):
         paged.check_layout(kv, block_size=32, isa="vec")
+
+
+def _interleaving_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        slots: torch.Tensor) -> None:
+    """A stand-in for a kernel's cache write in a layout of its own (pairs of tokens interleaved
+    per dimension, as AMX's bf16 tiles pair them): K and V of token ``t``, dim ``d`` of a cell at
+    ``(t // 2) * 2 * head_size + 2 * d + t % 2``."""
+    _, heads, size, dim = key_cache.shape
+    for i, slot in enumerate(slots.tolist()):
+        b, t = divmod(slot, size)
+        where = (t // 2) * 2 * dim + 2 * torch.arange(dim) + t % 2
+        for cache, x in ((key_cache, key), (value_cache, value)):
+            for h in range(heads):
+                cache[b, h].view(size * dim)[where] = x[i, h]
+
+
+def test_a_probed_layout_reads_and_writes_what_the_kernel_wrote() -> None:
+    # the layout measured with the kernel's own write (here a stand-in of AMX's interleaving):
+    # what the write put in a block, gather reads back; what scatter writes, the write would have
+    layout = paged.probe_layout("amx", 16, 8, torch.bfloat16, _interleaving_write)
+    assert layout.k_pos[1, 0] == 1 and layout.k_pos[0, 1] == 2 and layout.v_pos[2, 0] == 16
+    kv = _vec_cache(3, 2, 16, 8)
+    assert paged.check_layout(kv, block_size=16, isa="amx", layout=layout) == (2, 8)
+    rng = np.random.default_rng(1)
+    k = torch.from_numpy(rng.standard_normal((2, 20, 8), dtype=np.float32)).bfloat16()
+    v = torch.from_numpy(rng.standard_normal((2, 20, 8), dtype=np.float32)).bfloat16()
+    by_kernel = _vec_cache(3, 2, 16, 8)
+    cells = by_kernel.view(3, 2, 32, 8)
+    _interleaving_write(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), cells[:, :, :16],
+                        cells[:, :, 16:], torch.tensor([2 * 16 + t for t in range(16)] + [t for t in range(4)]))
+    gk, gv = paged.gather(by_kernel, [2, 0], 0, 20, layout)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    paged.scatter(kv, [2, 0], 0, k, v, layout=layout)
+    assert torch.equal(kv, by_kernel)
+    # a write that loses values is no permutation: refused
+    with pytest.raises(ConnectorError, match="not store a block's K as a permutation"):
+        paged.probe_layout("odd", 16, 8, torch.bfloat16, lambda key, value, kc, vc, slots: None)
 
 
 # -- the producer's held prefills -------------------------------------------------------------
