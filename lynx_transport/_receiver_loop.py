@@ -223,14 +223,15 @@ class RxLoop(IoLoop):
 
     def welcome(self, conn: _Conn) -> None:
         conn.hello = True
-        if self.heartbeats is not None:
-            self.heartbeats.add(conn.ctl)
         conn.ctl.limit(self.max_payload)
         rate = self.requested_rate
         flags = WelcomeFlags.CHUNK_SUMS if self.config.verify_chunks else WelcomeFlags.NONE
         addresses = [self.worker.address] + [rail.worker.address for rail in self.rails]
         self.send(conn, FrameType.WELCOME, pack_welcome(
             addresses, rate.gbps if rate else 0.0, rate.burst_bytes if rate else 0, flags))
+        # only now: the heartbeat thread must not put a HEARTBEAT before the WELCOME
+        if self.heartbeats is not None:
+            self.heartbeats.add(conn.ctl)
 
     def deny(self, conn: _Conn, why: str) -> None:
         """Refuse an unauthenticated peer: logged with its address, told why, disconnected."""

@@ -219,6 +219,8 @@ def _handshake(sock: socket.socket, deadline: float, clock: Clock,
                 proved = True
                 sock.sendall(encode_frame(FrameType.PROOF, _auth.sender_mac(secret, nonce_r, nonce_s)))
                 continue
+            if frame.type is FrameType.HEARTBEAT:  # a sign of life, never an error
+                continue
             if frame.type is not FrameType.WELCOME:
                 raise ConnectError(f"expected WELCOME from the receiver, got {frame.type.name}")
             if secret is not None and not proved:

@@ -99,3 +99,30 @@ def test_cli_has_no_option_that_takes_the_secret_itself() -> None:
         flags = {o for a in parser._actions for o in a.option_strings}
         assert "--secret-file" in flags
         assert not {f for f in flags if "secret" in f} - {"--secret-file"}
+
+
+def test_a_heartbeat_before_the_welcome_is_a_sign_of_life_not_an_error() -> None:
+    # the sender's side of the handshake, against a receiver whose heartbeat came first
+    import socket
+    import threading
+
+    from lynx_transport.clock import MonotonicClock
+    from lynx_transport.connection import _handshake
+
+    ours, theirs = socket.socketpair()
+
+    def receiver() -> None:
+        theirs.recv(1 << 16)  # HELLO
+        theirs.sendall(wire.encode_frame(wire.FrameType.HEARTBEAT, b"")
+                       + wire.encode_frame(wire.FrameType.WELCOME, wire.pack_welcome(b"addr", 0.0, 0)))
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    try:
+        clock = MonotonicClock()
+        addresses, rate, _ = _handshake(ours, clock.now() + 10.0, clock, None)
+        assert addresses == (b"addr",) and rate is None
+    finally:
+        thread.join(5)
+        ours.close()
+        theirs.close()
