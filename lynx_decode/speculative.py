@@ -260,22 +260,14 @@ class _Run:
             return kv if isinstance(kv, KVBuffers) else None
         return level.buffers
 
-    def _readable(self, index: int, layer: int) -> KVBuffers | None:
-        """Level ``index``'s buffers when their layer ``layer`` can be read now, else None."""
+    def _readable(self, index: int, layer: int, timeout: float = 0.0) -> KVBuffers | None:
+        """Level ``index``'s buffers when their layer ``layer`` can be read now, or within
+        ``timeout`` seconds (only a level with ``take`` can be waited on), else None."""
         kv = self._source(index)
         if kv is None:
             return None
         take = self.chain[index].take
-        return kv if kv.written(layer) or (take is not None and take(layer, 0.0)) else None
-
-    def _wait_for_exact(self, layer: int, timeout: float) -> KVBuffers | None:
-        """The exact level's buffers if its layer ``layer`` can be read within ``timeout``
-        seconds, else None (only for a level that can be waited on: it has ``take``)."""
-        level = self.chain[self.last]
-        kv = self._source(self.last)
-        if level.take is None or kv is None or timeout <= 0:
-            return None
-        return kv if level.take(layer, timeout) else None
+        return kv if kv.written(layer) or (take is not None and take(layer, max(0.0, timeout))) else None
 
     def _exact_within_a_step(self) -> float:
         """How long a layer waits for its exact K/V rather than read a coarser level: the
@@ -325,8 +317,8 @@ class _Run:
                 if used[i] != self.last and all(u == self.last for u in used[:i]):
                     # exact so far: wait a little for this layer's exact K/V when the exact
                     # level is due within a step, so the pass stays exact (no verify pass)
-                    exact = self._wait_for_exact(i, min(self._exact_within_a_step(),
-                                                        max(0.0, deadline - time.monotonic())))
+                    exact = self._readable(self.last, i, min(self._exact_within_a_step(),
+                                                             deadline - time.monotonic()))
                     if exact is not None:
                         used[i] = self.last
                         return exact
@@ -421,7 +413,6 @@ class _Run:
         if commit is None:
             commit = [int(np.argmax(_forward(self.model, fcache, [self.ids[-1]])[-1]))]
         ttfct = self.since()
-
         out = list(commit)
         yield Committed(tuple(commit), 0)
         while len(out) < self.n_max and out[-1] not in self.eos:

@@ -63,11 +63,11 @@ def probe_layout(isa: str, block_size: int, head_size: int, dtype: Any, write: C
     import torch  # noqa: PLC0415 - torch loads only with vLLM
 
     n = block_size * head_size
+    if n > 256 ** 2:
+        raise ConnectorError(f"cannot probe a block of {block_size} x {head_size}")
     index = torch.arange(n).view(block_size, 1, head_size)
     code = torch.zeros((2, n), dtype=torch.int64)
     for digit in range(2 if n > 256 else 1):
-        if n > 256 ** 2:
-            raise ConnectorError(f"cannot probe a block of {block_size} x {head_size}")
         kv = torch.zeros((1, 1, block_size, 2 * head_size), dtype=dtype)
         key_cache, value_cache = kv.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
         spelled = ((index // 256 ** digit) % 256).to(dtype)
