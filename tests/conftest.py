@@ -16,14 +16,16 @@ import shutil
 
 import pytest
 
-from lynx_bench.cli import MKL_REPRODUCIBLE
+from lynx_bench.cli import PROCESS_ENV
 from tests.timing import RECORDS, Timing
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # As the `lynx` CLI does before torch loads (see lynx_bench.cli.MKL_REPRODUCIBLE): the
-    # tests check bit-equal logits across torch thread counts, which MKL guarantees only so.
-    os.environ.setdefault(*MKL_REPRODUCIBLE)
+    # As the `lynx` CLI does before torch loads (see lynx_bench.cli.PROCESS_ENV): the tests
+    # check bit-equal logits across torch thread counts, which MKL guarantees only with
+    # MKL_CBWR, and run model steps beside busy processes, where spinning OpenMP threads stall.
+    for name, value in PROCESS_ENV:
+        os.environ.setdefault(name, value)
     config.stash[RECORDS] = []
 
 
