@@ -486,6 +486,10 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
         "first_tentative_s": first_token[0] - t0 if first_token else None,
         "first_token_committed": m.first_token_committed, "verify_passes": m.verify_passes,
         "first_pass_levels": list(m.first_pass_levels),
+        # when the first anchor region landed (t0 to it: the prefill node's
+        # encoding if it encodes on the way out, the opening of the stream, one region)
+        "first_anchor_s": (assembler.timings["plane0_first"] - t0
+                           if "plane0_first" in assembler.timings else None),
         # when the first region of plane 1 (the residual's first plane) landed
         "first_residual_s": (assembler.timings["plane1_first"] - t0
                              if "plane1_first" in assembler.timings else None),

@@ -22,10 +22,12 @@ attention, ``window - 1`` for a sliding-window layer (all its window can still
 attend to), so its regions are sized for those tokens only.
 
 The sender announces the whole stream first (sizes are known from the layout),
-then encodes layer after layer and supplies each anchor as soon as it is
-encoded, so encoding overlaps the transfer; later planes are supplied after the
-last anchor, so the anchor lane finishes first even when the encoder, not the
-link, is the bottleneck (and strict lane priority orders the later planes).
+then supplies the anchors layer after layer: a cache held encoded
+(:class:`~lynx_decode.kvencode.EncodedCache`, what the prefill node sends) at
+once, a :class:`Prefill` each as soon as it is encoded, so encoding overlaps the
+transfer. Later planes are supplied after the last anchor, so the anchor lane
+finishes first even when the encoder, not the link, is the bottleneck (and
+strict lane priority orders the later planes).
 
 The receiver side (:class:`KVAssembler`) runs on the transport's callback thread.
 A stream of ``P`` planes builds ``P`` caches, one *level* per prefix of planes:
@@ -45,7 +47,7 @@ import json
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,6 +56,7 @@ from lynx_decode.codec import decode_layer, encode_layer
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.codec.layout import CacheLayout, LayerLayout
 from lynx_decode.errors import DecodeError, LayoutError
+from lynx_decode.kvencode import EncodedCache, layer_kv
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.geometry import LayerGeometry, geometry_from_json, geometry_json
 from lynx_decode.model.identity import ModelFingerprint
@@ -271,15 +274,6 @@ def request_id_of(data: bytes) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
-def _layer_kv(kv: KVBuffers, index: int, kept: int) -> tuple[np.ndarray, np.ndarray]:
-    """Layer ``index``'s K and V, only the last ``kept`` positions (contiguous)."""
-    k, v = kv.layer(index)
-    tokens = k.shape[1]
-    if kept == tokens:
-        return k, v
-    return np.ascontiguousarray(k[:, tokens - kept:]), np.ascontiguousarray(v[:, tokens - kept:])
-
-
 def warm_up_codec(planes: tuple[int, ...] | None = None) -> None:
     """Encode and decode a tiny layer in every scheme (LYNX with ``planes``, default
     4,4), so JIT compilation (or loading Numba's on-disk cache) happens at node
@@ -294,38 +288,42 @@ def warm_up_codec(planes: tuple[int, ...] | None = None) -> None:
             decode_layer(encoded.layout, *bufs[:n])
 
 
+#: Layer ``i``'s buffers of the given planes (encoded now, or taken from a held encoding).
+PlaneSource = Callable[[int, tuple[int, ...]], Mapping[int, Any]]
+
+
 class CacheSend:
     """A cache on its way out (from :func:`send_cache`): :attr:`stream`, and
     :meth:`wait`, which finishes the send. It keeps the encoded buffers alive
     until the stream is done."""
 
-    def __init__(self, stream: SendStream, prefill: Prefill, config: CodecConfig,
-                 keep: list[Any], deferred: bool, kept: list[int]) -> None:
+    def __init__(self, stream: SendStream, planes_of: PlaneSource, layers: int, later: tuple[int, ...],
+                 keep: list[Any], deferred: bool, first_supplied_s: float) -> None:
         self.stream = stream
-        self._kept = kept
-        self._prefill = prefill
-        self._config = config
+        self._planes_of = planes_of
+        self._layers = layers
+        self._later = later
         self._keep = keep
         self._deferred = deferred
+        #: seconds from the call to :func:`send_cache` until the first anchor region was supplied
+        self.first_supplied_s = first_supplied_s
 
     def wait(self, timeout: float) -> None:
         """Finish the send within ``timeout`` seconds: for held planes, wait for the
-        receiver to release them, then encode and supply them layer by layer; then
-        wait for the receiver's confirmation of the whole stream. Raises the
-        stream's error, or ``TransportTimeoutError``; a failed send is cancelled."""
+        receiver to release them, then supply them layer by layer (encoding them
+        now unless the cache came encoded); then wait for the receiver's
+        confirmation of the whole stream. Raises the stream's error, or
+        ``TransportTimeoutError``; a failed send is cancelled."""
         deadline = time.monotonic() + timeout
         try:
             if self._deferred:
                 self._deferred = False
-                later = tuple(range(1, len(self._config.plane_table)))
-                for plane in later:
+                for plane in self._later:
                     self.stream.wait_released(lane_of(plane), max(0.0, deadline - time.monotonic()))
-                kv = self._prefill.kv
-                for i in range(kv.shape.num_layers):
-                    k, v = _layer_kv(kv, i, self._kept[i])
-                    encoded = encode_layer(k, v, self._config, planes=later)
-                    for plane in later:
-                        buf = encoded.buffers[plane]
+                for i in range(self._layers):
+                    buffers = self._planes_of(i, self._later)
+                    for plane in self._later:
+                        buf = buffers[plane]
                         self._keep.append(buf)
                         self.stream.supply(region_name(i, plane), buf, max(0.0, deadline - time.monotonic()))
             self.stream.wait(max(0.0, deadline - time.monotonic()))
@@ -338,66 +336,95 @@ class CacheSend:
                 self._keep.clear()
 
 
-def send_cache(conn: Sender, prefill: Prefill, model: ModelInfo | str, config: CodecConfig, *,
+def send_cache(conn: Sender, cache: Prefill | EncodedCache, model: ModelInfo | str, config: CodecConfig, *,
                request_id: str, t0_unix: float, timeout: float = 10.0,
                hold_residual: bool = False) -> CacheSend:
-    """Announce, encode and supply a prefilled cache on ``conn`` (any transport's
-    :class:`~lynx_transport.seam.Sender`); finish with
-    :meth:`CacheSend.wait` (``prefill`` must stay unchanged until then).
+    """Announce and supply a prefilled cache on ``conn`` (any transport's
+    :class:`~lynx_transport.seam.Sender`); finish with :meth:`CacheSend.wait`
+    (``cache`` must stay unchanged until then).
 
-    Anchors go first, layer by layer, as each is encoded. ``hold_residual``
-    (LYNX; ignored for one-plane schemes): the lanes of planes 1.. wait for the
-    receiver's ``release_lane``, and are encoded only then (in
-    :meth:`CacheSend.wait`): each layer is quantized twice, but nothing of them
-    takes CPU from the anchors' encoding, nor from the receiver's first decode
-    step when both nodes share a host. Without it each layer is encoded once into
-    every plane. Call :func:`warm_up_codec` once before connecting: a first JIT
-    compile inside a send holds the GIL for seconds, long enough for the
-    transport's peers to count its I/O threads silent.
+    ``cache``: an :class:`~lynx_decode.kvencode.EncodedCache` (encoded with
+    ``config`` for ``model``'s geometry) is sent as it is: the first anchor goes
+    out at once. A :class:`Prefill` is encoded here, layer by layer, each anchor
+    supplied as soon as it is encoded. Anchors go first either way.
+    ``hold_residual`` (LYNX; ignored for one-plane schemes): the lanes of planes
+    1.. wait for the receiver's ``release_lane``; a prefill's later planes are
+    encoded only then (in :meth:`CacheSend.wait`): each layer is quantized twice,
+    but nothing of them takes CPU from the anchors' encoding, nor from the
+    receiver's first decode step when both nodes share a host. Without it each
+    layer is encoded once into every plane. Call :func:`warm_up_codec` once
+    before connecting: a first JIT compile inside a send holds the GIL for
+    seconds, long enough for the transport's peers to count its I/O threads silent.
 
     ``model``: the model that computed the cache. Its :class:`ModelInfo` puts its
     fingerprint on the wire and sends each sliding-window layer's last
     ``window - 1`` positions only; a bare model id sends every layer whole and
     no fingerprint (the decode node then matches the id).
     """
-    kv = prefill.kv
-    shape = kv.shape
+    called = time.perf_counter()
     if isinstance(model, ModelInfo):
-        model_id, fingerprint, geometry = model.model_id, model.fingerprint, model.layers
+        model_id, fingerprint = model.model_id, model.fingerprint
+    else:
+        model_id, fingerprint = model, None
+    if isinstance(cache, EncodedCache):
+        geometry = _encoded_geometry(cache, model, config)
+        layers = [layer.layout for layer in cache.layers]
+
+        def planes_of(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
+            return {p: cache.layers[i].buffers[p] for p in planes}
+    else:
+        kv = cache.kv
+        shape = kv.shape
+        geometry = model.layers if isinstance(model, ModelInfo) else shape.geometry
         if len(geometry) != shape.num_layers:
             raise DecodeError(f"the prefill has {shape.num_layers} layers, the model {model_id} {len(geometry)}")
-    else:
-        model_id, fingerprint, geometry = model, None, shape.geometry
-    covered = shape.tokens
-    if covered != len(prefill.token_ids) - 1 or (shape.windowed and shape.layers):
-        raise DecodeError("send_cache needs a whole prefill: every layer covering all prompt tokens but the last")
-    layers = [LayerLayout.build(config, g.kv_heads, g.kept(covered), g.head_dim) for g in geometry]
-    header = KVHeader(request_id, model_id, config.scheme, len(prefill.token_ids), t0_unix,
+        covered = shape.tokens
+        if covered != len(cache.token_ids) - 1 or (shape.windowed and shape.layers):
+            raise DecodeError("send_cache needs a whole prefill: every layer covering all prompt tokens but the last")
+        layers = [LayerLayout.build(config, g.kv_heads, g.kept(covered), g.head_dim) for g in geometry]
+
+        def planes_of(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
+            k, v = layer_kv(kv, i, layers[i].tokens)
+            return encode_layer(k, v, config, planes=planes).buffers
+    header = KVHeader(request_id, model_id, config.scheme, len(cache.token_ids), t0_unix,
                       CacheLayout.of(layers), tuple(geometry), fingerprint)
     num_planes = layers[0].num_planes
     deferred = hold_residual and num_planes > 1
-    held = tuple(lane_of(p) for p in range(1, num_planes)) if deferred else ()
+    later = tuple(range(1, num_planes))
+    held = tuple(lane_of(p) for p in later) if deferred else ()
     stream = conn.open_stream(header.regions(), metadata=header.to_metadata(), timeout=timeout, hold=held)
-    keep: list[Any] = [np.asarray(prefill.token_ids, dtype=np.int32)]
-    later: list[tuple[str, Any]] = []
+    keep: list[Any] = [np.asarray(cache.token_ids, dtype=np.int32)]
+    first_supplied = 0.0
     try:
         stream.supply(TOKENS, keep[0], timeout)
-        for i in range(shape.num_layers):
-            k, v = _layer_kv(kv, i, layers[i].tokens)
-            encoded = encode_layer(k, v, config, planes=(0,) if deferred else None)
-            for plane, buf in encoded.buffers.items():
+        rest: list[tuple[str, Any]] = []
+        for i in range(len(layers)):
+            buffers = planes_of(i, (0,) if deferred else (0, *later))
+            for plane, buf in buffers.items():
                 keep.append(buf)
                 if plane == 0:
                     stream.supply(region_name(i, plane), buf, timeout)
+                    if i == 0:
+                        first_supplied = time.perf_counter() - called
                 else:
-                    later.append((region_name(i, plane), buf))
-        for name, buf in later:
+                    rest.append((region_name(i, plane), buf))
+        for name, buf in rest:
             stream.supply(name, buf, timeout)
     except BaseException:
         if not stream.done():
             stream.cancel()
         raise
-    return CacheSend(stream, prefill, config, keep, deferred, [layer.tokens for layer in layers])
+    return CacheSend(stream, planes_of, len(layers), later, keep, deferred, first_supplied)
+
+
+def _encoded_geometry(cache: EncodedCache, model: ModelInfo | str,
+                      config: CodecConfig) -> tuple[LayerGeometry, ...]:
+    """The geometry an encoded cache is sent with, checked against ``model`` and ``config``."""
+    if cache.config != config:
+        raise DecodeError(f"the cache is encoded as {cache.config}, the send asks for {config}")
+    if isinstance(model, ModelInfo) and tuple(model.layers) != cache.geometry:
+        raise DecodeError(f"the cache was encoded for another layer geometry than the model {model.model_id}'s")
+    return cache.geometry
 
 
 class KVAssembler:

@@ -11,13 +11,18 @@ Threads (threads + futures, like the transport):
   never an unbounded queue or a silent wait;
 * one prefill worker (``lynx-prefill``) runs the prefills in arrival order (a
   prefill uses every core), each found first in a small in-memory cache of
-  recent prefills (``memory_cache`` entries), then in the on-disk
-  :class:`PrefillCache`;
+  recent prompts (``memory_cache`` entries), then in the on-disk
+  :class:`PrefillCache`. It encodes the cache before the send starts: into the
+  request's own form and every form in ``prepare`` (by default INT8 and the
+  LYNX splits ``4,4`` and ``3,5``), and the memory cache holds those encoded
+  forms (:class:`~lynx_decode.kvencode.EncodedCache`), not the float32 cache
+  (``hold_native`` keeps it too); a later pull of a form not held reloads the
+  float32 cache from disk (or prefills again) and encodes it;
 * each prefilled request is then sent by a thread of its own (``lynx-send``):
-  encoding its anchors layer by layer, its held residual once the decode node
-  releases it, and waiting for the confirmation, so one request's held
-  residual never delays another's; the transport's lanes order the bytes of
-  all of them (a new request's anchors go before older residuals);
+  its anchors at once, its held residual once the decode node releases it, and
+  waiting for the confirmation, so one request's held residual never delays
+  another's; the transport's lanes order the bytes of all of them (a new
+  request's anchors go before older residuals);
 * replies (and busy/error replies) go over one connection per decode node
   (its ``reply_to`` address), kept open for its next requests, all made through
   ONE egress of the transport (``Transport.egress``): one send scheduler and
@@ -27,9 +32,12 @@ Threads (threads + futures, like the transport):
   dropped (the peer table forgets it). :meth:`serve` runs in the caller's
   thread until ``stop``.
 
-Clock: ``t0_unix`` (sent in the KV header) is taken once the cache is held in its
-native precision: after the prefill, or after finding it in a cache. Encoding,
-transfer, dequantization and the first decode step all come after it. Under
+Clock: ``t0_unix`` (sent in the KV header) is taken once the cache is held ready
+to send, encoded in the form pulled: after the prefill (or finding it in a
+cache) and its encoding, which the node's log line counts with the queue. The
+stream's opening, the transfer, dequantization and the first decode step all
+come after it (the log line's ``first anchor after``: t0 to the first anchor
+region handed to the transport). Under
 load the decode node also counts from the moment it sent its request (queueing
 included). Both nodes must share a wall clock (same host, or synchronised hosts).
 """
@@ -50,6 +58,7 @@ import numpy as np
 
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import DecodeError
+from lynx_decode.kvencode import EncodedCache, encode_cache
 from lynx_decode.kvstream import send_cache, warm_up_codec
 from lynx_decode.model.protocol import CausalLM, Prefill
 from lynx_decode.prefill_cache import PrefillCache
@@ -65,6 +74,35 @@ log = logging.getLogger("lynx_decode.prefill")
 
 #: Link burst: a few chunks, so shaping is smooth at the chunk granularity.
 BURST_BYTES = 1 << 20
+
+#: The forms a prompt's cache is encoded into before any pull asks: INT8 and the two
+#: LYNX splits ``--planes auto`` chooses between (each encode is ~2 % of a CPU prefill).
+DEFAULT_PREPARE = (CodecConfig(Scheme.INT8), CodecConfig(Scheme.LYNX, planes=(4, 4)),
+                   CodecConfig(Scheme.LYNX, planes=(3, 5)))
+
+
+@dataclasses.dataclass
+class _Held:
+    """A prompt's cache as the node holds it: its encoded forms, and the float32
+    cache when ``hold_native`` (or while it is being encoded)."""
+
+    encoded: dict[CodecConfig, EncodedCache]
+    native: Prefill | None
+    prefill_s: float
+
+    @property
+    def nbytes(self) -> int:
+        native = 0 if self.native is None else self.native.kv.keys.nbytes + self.native.kv.values.nbytes
+        return native + sum(e.nbytes for e in self.encoded.values())
+
+    def describe(self) -> str:
+        forms = [_form(c) for c in self.encoded] + (["float32"] if self.native is not None else [])
+        return f"{self.nbytes / 1e6:.1f} MB held ({', '.join(forms)})"
+
+
+def _form(config: CodecConfig) -> str:
+    bits = f" {','.join(map(str, config.planes))}" if config.scheme is Scheme.LYNX else ""
+    return f"{config.scheme.value}{bits}"
 
 
 @dataclasses.dataclass
@@ -87,14 +125,18 @@ class PrefillNode:
     caps its decode node's connection. ``timeouts``: every wait of the node (``stream_s`` bounds
     receiving a prompt and sending one cache up to the receiver's
     confirmation), its handshake and peer timeouts applied to ``config``.
-    ``transport``: how bytes move (default: UCX).
+    ``transport``: how bytes move (default: UCX). ``prepare``: the forms every
+    prompt's cache is encoded into before its first send (with the request's own);
+    ``hold_native``: keep the float32 cache in memory too (default: only the
+    encoded forms).
     """
 
     def __init__(self, model: CausalLM, *, host: str = "127.0.0.1", port: int = 0,
                  cache: PrefillCache | None = None, config: TransportConfig | None = None,
                  timeouts: Timeouts | None = None, transport: Transport = UCX,
                  clock: Callable[[], float] = time.time, max_pending: int = 32,
-                 memory_cache: int = 4, link_rate: Rate | None = None) -> None:
+                 memory_cache: int = 4, link_rate: Rate | None = None,
+                 prepare: tuple[CodecConfig, ...] = DEFAULT_PREPARE, hold_native: bool = False) -> None:
         if max_pending < 1:
             raise ConfigError(f"max_pending must be >= 1, got {max_pending}")
         if memory_cache < 0:
@@ -108,7 +150,9 @@ class PrefillNode:
         self.clock = clock
         self.max_pending = max_pending
         self.link_rate = link_rate
-        self._memory: collections.OrderedDict[tuple[int, ...], Prefill] = collections.OrderedDict()
+        self.prepare = prepare
+        self.hold_native = hold_native
+        self._memory: collections.OrderedDict[tuple[int, ...], _Held] = collections.OrderedDict()
         self._memory_size = memory_cache
         self._lock = threading.Lock()
         self._conn_lock = threading.Lock()
@@ -200,33 +244,55 @@ class PrefillNode:
                 continue
             try:
                 ids = self._token_ids(job.request, job.prompt)
-                prefill, source = self._prefill(ids)
+                codec = _codec(job.request)
+                encoded, held = self._held(ids, codec)
             except LynxError as exc:
                 self._finish(job, None, exc)
                 continue
             except Exception as exc:  # noqa: BLE001 - a failed prefill fails its request, not the node
                 self._finish(job, None, DecodeError(f"prefill failed: {type(exc).__name__}: {exc}"))
                 continue
-            self._sends.submit(self._send, job, prefill, source)
+            self._sends.submit(self._send, job, encoded, held)
 
-    def _prefill(self, ids: list[int]) -> tuple[Prefill, str]:
+    def _held(self, ids: list[int], codec: CodecConfig) -> tuple[EncodedCache, str]:
+        """The prompt's cache encoded as ``codec``, and how it was come by: held in
+        memory, or prefilled (or found on disk) and encoded now, with the forms in
+        :attr:`prepare` (then held, ``memory_cache`` permitting)."""
         key = tuple(ids)
         with self._lock:
-            hit = self._memory.get(key)
-            if hit is not None:
+            entry = self._memory.get(key)
+            if entry is not None:
                 self._memory.move_to_end(key)
-                return hit, "prefill in memory"
-        if self.cache is not None:
+                if codec in entry.encoded:
+                    return entry.encoded[codec], f"held encoded, {entry.describe()}"
+        start = time.monotonic()
+        if entry is not None and entry.native is not None:
+            native, source = entry.native, "prefill in memory"
+        elif self.cache is not None:
             cached = self.cache.get_or_prefill(self.model, ids)
-            prefill, source = cached.prefill, "prefill cached" if cached.hit else "prefilled"
+            native, source = cached.prefill, "prefill cached" if cached.hit else "prefilled"
         else:
-            prefill, source = self.model.prefill(ids), "prefilled"
+            native, source = self.model.prefill(ids), "prefilled"
+        loaded = time.monotonic()
+        held = _Held({} if entry is None else dict(entry.encoded), native, native.prefill_s)
+        for config in (codec, *self.prepare):
+            if config not in held.encoded:
+                held.encoded[config] = encode_cache(native, self.model.info.layers, config)
+        if not self.hold_native:
+            held.native = None
         if self._memory_size:
             with self._lock:
-                self._memory[key] = prefill
+                self._memory[key] = held
                 while len(self._memory) > self._memory_size:
                     self._memory.popitem(last=False)
-        return prefill, source
+        return held.encoded[codec], (f"{source} in {loaded - start:.2f} s, encoded in "
+                                     f"{time.monotonic() - loaded:.2f} s, {held.describe()}")
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every prompt's cache held in memory (all their forms)."""
+        with self._lock:
+            return sum(entry.nbytes for entry in self._memory.values())
 
     def _token_ids(self, request: KVRequest, prompt: bytes) -> list[int]:
         if request.kind == "ids":
@@ -240,7 +306,7 @@ class PrefillNode:
         return self.model.chat_prompt(text) if request.kind == "chat" else self.model.tokenize(text)
 
     # -- sending (one thread per request) -----------------------------------------------------
-    def _send(self, job: _Job, prefill: Prefill, source: str) -> None:
+    def _send(self, job: _Job, encoded: EncodedCache, source: str) -> None:
         request = job.request
         t0 = self.clock()
         start = time.monotonic()
@@ -249,9 +315,8 @@ class PrefillNode:
             # the request's own cap on its decode node's connection (None: uncapped)
             conn.set_link_rate(None if request.bandwidth_gbps is None
                                else Rate(request.bandwidth_gbps, BURST_BYTES))
-            codec = (CodecConfig(scheme=request.scheme, planes=request.planes) if request.scheme is Scheme.LYNX
-                     else CodecConfig(scheme=request.scheme))
-            sending = send_cache(conn, prefill, self.model.info, codec,
+            calling = time.monotonic()
+            sending = send_cache(conn, encoded, self.model.info, encoded.config,
                                  request_id=request.request_id, t0_unix=t0,
                                  hold_residual=request.hold_residual)
             sending.wait(self.stream_timeout_s)
@@ -267,9 +332,11 @@ class PrefillNode:
         residual = sum(r.nbytes for r in regions if r.lane != int(Lane.ANCHOR))
         bits = f" planes={','.join(map(str, request.planes))}" if request.scheme is Scheme.LYNX else ""
         sizes = f"anchor {anchor / 1e6:.1f} MB" + (f" + residual {residual / 1e6:.1f} MB" if residual else "")
-        self._finish(job, f"{len(prefill.token_ids)} tokens, {request.scheme.value}{bits}, {source}, "
-                          f"{sizes}, sent in {time.monotonic() - start:.2f} s "
-                          f"({start - job.admitted_at:.2f} s queued and prefilling)")
+        first_ms = (calling - start + sending.first_supplied_s) * 1e3
+        self._finish(job, f"{len(encoded.token_ids)} tokens, {request.scheme.value}{bits}, {source}; "
+                          f"{sizes}, first anchor after {first_ms:.1f} ms, sent in "
+                          f"{time.monotonic() - start:.2f} s ({start - job.admitted_at:.2f} s queued, "
+                          "prefilling and encoding)")
 
     def _finish(self, job: _Job, summary: str | None, error: LynxError | None = None, *,
                 tell: bool = True) -> None:
@@ -356,3 +423,10 @@ class PrefillNode:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _codec(request: KVRequest) -> CodecConfig:
+    """The form a request pulls."""
+    if request.scheme is Scheme.LYNX:
+        return CodecConfig(scheme=request.scheme, planes=request.planes)
+    return CodecConfig(scheme=request.scheme)

@@ -1,6 +1,7 @@
 """KV caches over every transport (the ``transport`` fixture: the in-memory twin and
 UCX): ``send_cache`` on one side, ``KVAssembler`` on the other, as the prefill and
-decode nodes use them, without a model (a synthetic ``Prefill``).
+decode nodes use them, without a model (a synthetic ``Prefill``, sent as it is or
+encoded first, as the prefill node holds it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 
 from lynx_decode.codec import decode_layer, encode_layer
 from lynx_decode.codec.config import CodecConfig, Scheme
-from lynx_decode.errors import CodecError
+from lynx_decode.errors import CodecError, DecodeError
+from lynx_decode.kvencode import EncodedCache, encode_cache
 from lynx_decode.kvstream import KVAssembler, send_cache, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.protocol import ModelInfo, Prefill
@@ -104,17 +106,26 @@ def decode_side(transport: Transport, pool_bytes: int = 16 << 20) -> Iterator[tu
         yield decoder, conn, pool
 
 
+def _source(prefill: Prefill, config: CodecConfig, form: str) -> Prefill | EncodedCache:
+    """What ``send_cache`` is given: the float32 prefill, or its encoding held beforehand."""
+    return prefill if form == "prefill" else encode_cache(prefill, prefill.kv.shape.geometry, config)
+
+
+FORMS = ["prefill", "encoded"]
+
+
 def _reference(prefill: Prefill, config: CodecConfig, i: int, *, residual: bool = True) -> tuple:
     enc = encode_layer(prefill.kv.keys[i], prefill.kv.values[i], config)
     res = enc.buffers.get(1) if residual else None
     return decode_layer(enc.layout, enc.buffers[0], res)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("scheme", [Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX])
-def test_the_assembled_caches_equal_the_codecs_reconstruction(transport, scheme) -> None:
+def test_the_assembled_caches_equal_the_codecs_reconstruction(transport, scheme, form) -> None:
     prefill, config = _prefill(), CodecConfig(scheme=scheme)
     with decode_side(transport) as (decoder, conn, pool):
-        sending = send_cache(conn, prefill, "m", config, request_id="r", t0_unix=0.0)
+        sending = send_cache(conn, _source(prefill, config, form), "m", config, request_id="r", t0_unix=0.0)
         asm = decoder.assembler.result(WAIT)
         asm.open_full_gate()
         sending.wait(WAIT)
@@ -161,11 +172,12 @@ def test_a_layer_the_gate_held_back_is_taken_on_the_engines_thread(transport) ->
         decoder.stream.release()
 
 
-def test_a_held_residual_waits_for_the_decode_side(transport) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_a_held_residual_waits_for_the_decode_side(transport, form) -> None:
     prefill, config = _prefill(), CodecConfig(scheme=Scheme.LYNX)
     with decode_side(transport) as (decoder, conn, _):
-        sending = send_cache(conn, prefill, "m", config, request_id="r", t0_unix=0.0,
-                             hold_residual=True)
+        sending = send_cache(conn, _source(prefill, config, form), "m", config, request_id="r",
+                             t0_unix=0.0, hold_residual=True)
         asm = decoder.assembler.result(WAIT)
         asm.open_full_gate()
         assert asm.draft is not None
@@ -176,7 +188,7 @@ def test_a_held_residual_waits_for_the_decode_side(transport) -> None:
             stream.wait_lane(Lane.RESIDUAL, 0.05)
         assert not asm.full.done() and not sending.stream.lane_released_at
         stream.release_lane(Lane.RESIDUAL)
-        sending.wait(WAIT)  # encodes and supplies the residual now
+        sending.wait(WAIT)  # supplies the residual now (a prefill's encoded only now)
         full = asm.full.result(WAIT)
         assert Lane.RESIDUAL in sending.stream.lane_released_at
         int8 = CodecConfig(scheme=Scheme.INT8)  # LYNX anchor + residual is INT8, exactly
@@ -218,3 +230,19 @@ def test_a_failed_send_cancels_the_stream_and_the_receiver_hears_at_once(transpo
         assert isinstance(asm.full.exception(0), StreamCancelledError)
         assert decoder.stream is not None and decoder.stream.state is StreamState.CANCELLED
         assert wait_until(lambda: pool.free_bytes == pool.nbytes, WAIT)
+
+
+def test_an_encoded_cache_is_sent_only_as_what_it_was_encoded_for(transport) -> None:
+    prefill = _prefill()
+    held = encode_cache(prefill, prefill.kv.shape.geometry, CodecConfig(scheme=Scheme.INT8))
+    assert held.nbytes == sum(layer.wire_bytes() for layer in held.layers) > 0
+    with decode_side(transport) as (_, conn, _):
+        recording = Recording(conn)
+        with pytest.raises(DecodeError, match="encoded as"):
+            send_cache(recording, held, "m", CodecConfig(scheme=Scheme.LYNX), request_id="r", t0_unix=0.0)
+        assert not recording.opened  # refused before anything went out
+        other = ModelInfo("m", num_layers=4, kv_heads=2, head_dim=8, max_positions=4096,
+                          vocab_size=100, eos_token_ids=frozenset({0}))
+        with pytest.raises(DecodeError, match="geometry"):
+            send_cache(recording, held, other, held.config, request_id="r", t0_unix=0.0)
+        assert not recording.opened

@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from lynx_decode.codec.config import Scheme
+from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.decode_node import DecodeNode
 from lynx_decode.errors import DecodeError, ServerBusyError
 from lynx_decode.events import Event, Tentative
-from lynx_decode.kvstream import warm_up_codec
-from lynx_decode.prefill_node import PrefillNode
+from lynx_decode.kvstream import cache_bytes, warm_up_codec
+from lynx_decode.model.protocol import Prefill
+from lynx_decode.prefill_node import DEFAULT_PREPARE, PrefillNode
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import ConnectError
 from lynx_transport.seam import Transport
@@ -101,6 +102,40 @@ def test_auto_split_follows_the_link(nodes: Any) -> None:
     # INT8 asked for stays INT8
     assert decode.run(prefill.address, PROMPT, scheme=Scheme.INT8, planes="auto",
                       max_new_tokens=6).metrics["split_choice"] is None
+
+
+class CountingToyLM(NodeToyLM):
+    def __init__(self) -> None:
+        super().__init__(eos=False)
+        self.prefills = 0
+
+    def prefill(self, token_ids: Sequence[int]) -> Prefill:
+        self.prefills += 1
+        return super().prefill(token_ids)
+
+
+@pytest.mark.parametrize("hold_native", [False, True])
+def test_a_prompt_is_held_encoded_and_a_pull_of_a_held_form_sends_at_once(transport: Transport,
+                                                                          hold_native: bool) -> None:
+    model = CountingToyLM()
+    waits = Timeouts(stream_s=5.0)
+    held_forms = cache_bytes(model.info.layers, len(PROMPT) - 1, CodecConfig(Scheme.BF16))
+    prepared = sum(cache_bytes(model.info.layers, len(PROMPT) - 1, c) for c in DEFAULT_PREPARE)
+    native = 2 * 4 * (len(PROMPT) - 1) * model.info.num_layers  # K and V, float32, one head of size 1
+    with PrefillNode(model, transport=transport, timeouts=waits, hold_native=hold_native) as prefill, \
+            DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=POOL) as decode:
+        int8 = decode.run(prefill.address, PROMPT, scheme=Scheme.INT8, max_new_tokens=6)
+        # prefilled once, encoded into the pulled form and every prepared one; float32 dropped
+        assert model.prefills == 1
+        assert prefill.held_bytes == prepared + (native if hold_native else 0)
+        for planes in ((4, 4), (3, 5)):  # prepared: no prefill, no encode
+            lynx = decode.run(prefill.address, PROMPT, scheme=Scheme.LYNX, planes=planes, max_new_tokens=6)
+            assert lynx.tokens == int8.tokens and model.prefills == 1
+        # a form nobody prepared: from the float32 cache when held, else prefilled again
+        bf16 = decode.run(prefill.address, PROMPT, scheme=Scheme.BF16, max_new_tokens=6)
+        assert bf16.tokens == int8.tokens and model.prefills == (1 if hold_native else 2)
+        assert prefill.held_bytes == prepared + held_forms + (native if hold_native else 0)
+        assert prefill.served == 4 and prefill.failed == 0
 
 
 @pytest.mark.parametrize("scheme", [Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX])
