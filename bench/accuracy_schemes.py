@@ -20,7 +20,7 @@ import numpy as np
 
 from lynx_decode import CodecConfig, Scheme, decode_layer, encode_layer
 
-from .sweep_config import SweepScheme
+from .sweep_config import DEFAULT_PLANES, SweepScheme
 
 __all__ = ["Layer", "SchemeCache", "codec_layers", "scheme_cache", "REFERENCE"]
 
@@ -64,8 +64,9 @@ def scheme_cache(ref: Sequence[Layer], scheme: SweepScheme, int8: Sequence[Layer
     codec = Scheme(scheme.scheme)
     if codec is not Scheme.LYNX:
         return SchemeCache(scheme, codec_layers(ref, CodecConfig(scheme=codec))[0])
-    assert scheme.planes is not None  # a LYNX sweep scheme always has its split
-    config = CodecConfig(scheme=Scheme.LYNX, planes=scheme.planes)
+    # lynx-auto has no split of its own: its committed cache is INT8's whatever it chooses,
+    # and its drafts are scored on the default split's anchors
+    config = CodecConfig(scheme=Scheme.LYNX, planes=scheme.planes if scheme.planes is not None else DEFAULT_PLANES)
     full, draft = codec_layers(ref, config, (None, 1))
     if int8 is None:
         int8 = codec_layers(ref, CodecConfig(scheme=Scheme.INT8))[0]

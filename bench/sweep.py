@@ -129,6 +129,11 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
     if args.workload is not None:
         changes["workload"] = SweepWorkload(args.workload)
     changes["timeouts"] = timeouts(args)
+    if ("planes" in changes or "anchor_bits" in changes) and "schemes" not in changes \
+            and "lynx" not in base.schemes:
+        # splits asked for on a preset that names its LYNX schemes (--quick: lynx-auto, lynx-4):
+        # they replace those
+        changes["schemes"] = (*(s for s in base.schemes if not is_lynx(s)), "lynx")
     if args.quick and args.out is None:
         changes["out"] = Path("demo-out")
     return dataclasses.replace(base, **changes).validate()
@@ -144,9 +149,11 @@ class _Job:
     scheme: str
     #: the codec scheme the decode node asks for (``lynx`` for every split)
     codec_scheme: str
-    #: the LYNX split (None for other schemes)
+    #: the LYNX split (None for other schemes, and for ``auto``)
     planes: tuple[int, ...] | None = None
     recorded: bool = True
+    #: ``lynx-auto``: the decode node chooses the split
+    auto: bool = False
 
 
 def _jobs(config: SweepConfig, bandwidths: tuple[float, ...]) -> list[_Job]:
@@ -160,16 +167,26 @@ def _jobs(config: SweepConfig, bandwidths: tuple[float, ...]) -> list[_Job]:
             for repeat in range(config.repeats):
                 for bw in bandwidths:
                     for s in schemes:
-                        jobs.append(_Job(bw, ctx, prompt, repeat, s.name, s.scheme, s.planes))
+                        jobs.append(_Job(bw, ctx, prompt, repeat, s.name, s.scheme, s.planes, auto=s.auto))
     return jobs
 
 
 def _request(config: SweepConfig, job: _Job) -> dict[str, Any]:
     """The worker's job line for ``job`` (see :mod:`lynx_bench.sweep_worker`)."""
     return {"context": job.context, "prompt_id": job.prompt_id, "seed": config.seed,
-            "scheme": job.codec_scheme, "planes": None if job.planes is None else list(job.planes),
+            "scheme": job.codec_scheme,
+            "planes": "auto" if job.auto else None if job.planes is None else list(job.planes),
             "bandwidth_gbps": job.bandwidth_gbps, "new_tokens": config.new_tokens,
             "workload": config.workload.value}
+
+
+def _planes_text(job: _Job, out: dict[str, Any]) -> str | None:
+    """The split a run used: the job's, or for ``lynx-auto`` the one the decode node
+    chose (``int8`` when it chose none)."""
+    if not job.auto:
+        return None if job.planes is None else ",".join(map(str, job.planes))
+    chosen = out.get("planes")
+    return "int8" if chosen is None else ",".join(map(str, chosen))
 
 
 def _python() -> list[str]:
@@ -287,7 +304,7 @@ def _rows(results: list[tuple[_Job, dict[str, Any]]], workload: SweepWorkload = 
             continue
         assert job.bandwidth_gbps is not None
         rows.append(Row(
-            scheme=job.scheme, planes=None if job.planes is None else ",".join(map(str, job.planes)),
+            scheme=job.scheme, planes=_planes_text(job, out),
             bandwidth_gbps=job.bandwidth_gbps, context=job.context,
             prompt_id=job.prompt_id, repeat=job.repeat, ttft_s=out["ttft_s"],
             ttfct_s=out["ttfct_s"], e2e_s=out["e2e_s"],

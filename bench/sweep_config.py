@@ -9,6 +9,10 @@ LYNX splits: ``--anchor-bits 4,3`` (each ``b`` is the split ``(b, 8 - b)``) or
 is a scheme of its own in every table, JSON file and plot, named by
 :func:`lynx_scheme_name`: ``lynx`` when the sweep asks for the default split alone,
 otherwise ``lynx-<planes_name>`` (``lynx-4``, ``lynx-3``, ``lynx-2.2.4``).
+``--schemes`` also takes those names directly (``--schemes int8,lynx-4,lynx-3``),
+and ``lynx-auto``: the decode node chooses the split for each run
+(``--planes auto``, :mod:`lynx_decode.split_choice`), possibly none (then it runs
+INT8; the run's ``planes`` say what was chosen).
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import ConfigError
 
 __all__ = ["LinkMode", "SweepWorkload", "DEFAULT_WORKLOAD", "TEXT_CONTINUATION", "SweepConfig", "SweepScheme",
-           "QUICK", "SCHEMES", "DEFAULT_PLANES", "is_lynx",
+           "QUICK", "SCHEMES", "AUTO_SCHEME", "split_of_scheme", "DEFAULT_PLANES", "is_lynx",
            "lynx_scheme_name", "parse_floats", "parse_ints", "parse_planes_flag", "scheme_flag_changes",
            "check_schemes", "check_writable_dir"]
 
 SCHEMES = ("bf16", "int8", "int4", "lynx")
+#: The sweep scheme whose split the decode node chooses per run.
+AUTO_SCHEME = "lynx-auto"
 #: The LYNX split a sweep runs when neither ``--anchor-bits`` nor ``--planes`` is given.
 DEFAULT_PLANES: tuple[int, ...] = (DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS)
 
@@ -47,6 +53,20 @@ DEFAULT_PLANES: tuple[int, ...] = (DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS)
 def is_lynx(scheme: str) -> bool:
     """Whether a sweep scheme name is a LYNX split (``lynx``, ``lynx-3``, ``lynx-2.2.4``, ...)."""
     return scheme == "lynx" or scheme.startswith("lynx-")
+
+
+def split_of_scheme(name: str) -> tuple[int, ...] | None:
+    """The split a ``lynx-<planes_name>`` scheme name stands for (``lynx-4`` is 4,4,
+    ``lynx-2.2.4`` is 2,2,4); None for any other name (``lynx-auto`` included)."""
+    if not name.startswith("lynx-") or name == AUTO_SCHEME:
+        return None
+    widths = name[len("lynx-"):].split(".")
+    try:
+        planes = [int(w) for w in widths]
+        split = (planes[0], 8 - planes[0]) if len(planes) == 1 else tuple(planes)
+        return check_planes(split)
+    except (ValueError, CodecError):
+        return None
 
 
 def lynx_scheme_name(planes: tuple[int, ...], splits: tuple[tuple[int, ...], ...]) -> str:
@@ -61,11 +81,13 @@ def lynx_scheme_name(planes: tuple[int, ...], splits: tuple[tuple[int, ...], ...
 class SweepScheme:
     """One scheme as the sweep runs it: ``name`` in tables, JSON and plots; ``scheme``
     the codec's scheme (``Scheme`` value) the decode node asks for; ``planes`` the
-    LYNX split (None for every other scheme)."""
+    LYNX split (None for every other scheme, and for ``lynx-auto``, whose split the
+    decode node chooses: ``auto``)."""
 
     name: str
     scheme: str
     planes: tuple[int, ...] | None = None
+    auto: bool = False
 
 
 class SweepWorkload(enum.Enum):
@@ -136,11 +158,21 @@ class SweepConfig:
         """``schemes`` as run, in order, ``lynx`` expanded into one scheme per split."""
         out: list[SweepScheme] = []
         for scheme in self.schemes:
+            split = split_of_scheme(scheme)
             if scheme == "lynx":
                 splits = self.splits
                 out += [SweepScheme(lynx_scheme_name(p, splits), "lynx", p) for p in splits]
+            elif scheme == AUTO_SCHEME:
+                out.append(SweepScheme(scheme, "lynx", auto=True))
+            elif split is not None:
+                out.append(SweepScheme(scheme, "lynx", split))
             else:
                 out.append(SweepScheme(scheme, scheme))
+        names = [s.name for s in out]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"--schemes: {', '.join(twice)} would run twice (a split named in "
+                              "--schemes and again by --planes or --anchor-bits)")
         return tuple(out)
 
     def validate(self, max_context: int | None = None) -> SweepConfig:
@@ -152,6 +184,7 @@ class SweepConfig:
                 raise ConfigError(f"--bandwidths: {bw:g} Gbit/s is not a positive finite rate")
         check_schemes(self.schemes)
         self.validate_splits()
+        self.sweep_schemes  # noqa: B018 - raises ConfigError for a split that would run twice
         if not self.contexts:
             raise ConfigError("--contexts: give at least one context length")
         for ctx in self.contexts:
@@ -213,9 +246,10 @@ class SweepConfig:
 
 #: ``--quick`` (``make demo``): the regime LYNX is for, a 4096-token prompt whose cache the
 #: link must carry, from the bandwidth-bound end to where splitting stops paying; one
-#: prompt, 16 tokens, one run per point (about two minutes after the install)
+#: prompt, 16 tokens, one run per point (about three minutes after the install); LYNX as it
+#: chooses its split for the link (lynx-auto) beside the fixed 4,4 split
 QUICK = SweepConfig(bandwidths_gbps=(0.5, 1.0, 2.0, 5.0, 10.0), contexts=(4096,), prompts=1, new_tokens=16,
-                    repeats=1)
+                    repeats=1, schemes=("bf16", "int8", "int4", AUTO_SCHEME, "lynx-4"))
 
 
 def check_schemes(schemes: tuple[str, ...]) -> None:
@@ -223,8 +257,9 @@ def check_schemes(schemes: tuple[str, ...]) -> None:
     if not schemes:
         raise ConfigError("--schemes: give at least one scheme")
     for scheme in schemes:
-        if scheme not in SCHEMES:
-            raise ConfigError(f"--schemes: unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+        if scheme not in SCHEMES and scheme != AUTO_SCHEME and split_of_scheme(scheme) is None:
+            raise ConfigError(f"--schemes: unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}, "
+                              f"{AUTO_SCHEME} or a split lynx-B / lynx-W.W.W (lynx-3: 3,5)")
         if schemes.count(scheme) > 1:
             raise ConfigError(f"--schemes: {scheme} is listed twice")
 

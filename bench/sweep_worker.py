@@ -9,7 +9,8 @@ context lengths before any run starts.
 
 A job: ``{"context", "prompt_id", "seed", "scheme", "planes", "bandwidth_gbps",
 "new_tokens", "workload"}``: ``scheme`` is the codec's (``lynx`` for every LYNX
-split), ``planes`` the LYNX split as a list of widths (null for other schemes) and
+split), ``planes`` the LYNX split as a list of widths (null for other schemes;
+``"auto"``: the decode node chooses, and the result's ``planes`` say what) and
 ``workload`` a :class:`~lynx_bench.sweep_config.SweepWorkload` value (default
 ``passkey``). The prompt of ``(workload, context, prompt_id, seed)`` is built here
 with the model's tokenizer (deterministic) and cached: a pass-key prompt, or the
@@ -28,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, Literal
 
 from lynx_bench.accuracy_texts import Corpus, load_corpus, text_windows
 from lynx_bench.node_args import (
@@ -100,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                     prompt = model.tokenize(case.prompt)
                 else:
                     prompt = text_prompt(key[0], key[1], int(job["prompt_id"]))
-                planes = None if job.get("planes") is None else tuple(int(w) for w in job["planes"])
+                asked = job.get("planes")
+                planes: tuple[int, ...] | Literal["auto"] | None = (
+                    None if asked is None else "auto" if asked == "auto" else tuple(int(w) for w in asked))
                 first_tentative: list[int] = []
 
                 def on_event(event: Event, seen: list[int] = first_tentative) -> None:
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             except LynxError as exc:
                 _emit("RESULT", {"error": f"{type(exc).__name__}: {exc}"})
                 continue
-            _emit("RESULT", {**result.metrics, "planes": None if planes is None else list(planes),
+            chosen = result.metrics.get("planes") if planes == "auto" else planes
+            _emit("RESULT", {**result.metrics, "planes": None if chosen is None else list(chosen),
                              "physical_limit_s": physical_limit(result.metrics, job["bandwidth_gbps"],
                                                                 head_s, info.num_layers),
                              "first_tentative_token": first_tentative[0] if first_tentative else None,

@@ -7,11 +7,15 @@ the time of one decode step at this context (measured on earlier runs).
 
 The rule, with ``T`` the INT8 cache's transfer time and ``S`` one decode step:
 
-- ``T < 2 S``: no split (INT8). The whole cache lands within two steps; the
-  first tentative token would come at most about a step sooner, and the
-  committed one a step later (the draft step plus a verify pass cannot beat one
-  step on the exact cache when the exact cache is already in).
-- ``2 S <= T < 8 S``: ``4,4``. Tentative tokens at INT4's time, committed ones at
+- ``T < 3 S``: no split (INT8). A ``4,4`` draft is tentative once its anchors
+  are in (``T / 2``) and its compute is through, and committed only after a
+  verify pass (about 1.5 steps, :data:`~lynx_decode.speculative.VERIFY_STEPS`):
+  ``T / 2 + 1.5 S`` comes by INT8's ``T`` within 5 % only from ``T = 2.7 S``, and
+  a first pass that waits for the exact K/V instead starts its layers only as
+  the residual lands, in the second half of ``T``, so it falls behind INT8's
+  pipelined pass once a step is more than ``T / 2``. Below ``3 S`` neither
+  clock gains; INT8 is as early on both.
+- ``3 S <= T < 8 S``: ``4,4``. Tentative tokens at INT4's time, committed ones at
   INT8's (the verify pass rides on the residual's arrival), drafts as good as
   INT4's.
 - ``T >= 8 S``: ``3,5``. One anchor bit fewer saves ``T / 8``, at least a step, on
@@ -33,7 +37,7 @@ from lynx_decode.errors import CodecError
 __all__ = ["SplitChoice", "choose_split", "NO_SPLIT_STEPS", "THREE_BIT_STEPS", "DEFAULT_STEP_S"]
 
 #: Below this many decode steps of INT8 transfer, no split.
-NO_SPLIT_STEPS = 2.0
+NO_SPLIT_STEPS = 3.0
 #: From this many decode steps of INT8 transfer, a 3-bit anchor.
 THREE_BIT_STEPS = 8.0
 #: The decode step (seconds) assumed before any was measured; docs/design.md, "Measured facts".

@@ -44,6 +44,10 @@ def test_quick_preset_is_valid(tmp_path: Path) -> None:
         ({"planes": ((4, 4),), "anchor_bits": (3,)}, "mutually exclusive"),
         ({"planes": ((2, 2, 4),), "schemes": ("int8", "int4")}, "--planes: .* lynx is not among --schemes"),
         ({"repeats": 0}, "--repeats"),
+        ({"schemes": ("int8", "lynx-9")}, "unknown scheme 'lynx-9'"),
+        ({"schemes": ("int8", "lynx-4.4.4")}, "unknown scheme 'lynx-4.4.4'"),
+        ({"schemes": ("lynx-auto", "lynx-auto")}, "lynx-auto is listed twice"),
+        ({"schemes": ("lynx", "lynx-3"), "anchor_bits": (3,)}, "lynx-3 would run twice"),
     ],
 )
 def test_bad_fields_are_named(tmp_path: Path, changes: dict, message: str) -> None:
@@ -139,7 +143,7 @@ def test_planes_and_anchor_bits_are_mutually_exclusive() -> None:
 
 def test_every_split_runs_interleaved_and_the_worker_gets_its_planes(tmp_path: Path) -> None:
     config = dataclasses.replace(QUICK, out=tmp_path, bandwidths_gbps=(1.0,), repeats=2,
-                                 planes=((4, 4), (2, 2, 4))).validate()
+                                 schemes=("bf16", "int8", "int4", "lynx"), planes=((4, 4), (2, 2, 4))).validate()
     jobs = _jobs(config, config.bandwidths_gbps)
     assert [(j.repeat, j.scheme) for j in jobs] == [
         (r, s) for r in range(2) for s in ("bf16", "int8", "int4", "lynx-4", "lynx-2.2.4")]
@@ -155,3 +159,21 @@ def test_references_are_decoded_when_the_baselines_are_not_swept(tmp_path: Path)
     jobs = _jobs(config, (1.0, 10.0))
     assert [(j.scheme, j.recorded) for j in jobs if not j.recorded] == [("int8", False), ("bf16", False)]
     assert [j.scheme for j in jobs if j.recorded] == ["lynx-4", "lynx-3"] * 2
+
+
+def test_schemes_name_splits_and_auto_and_the_worker_hears_auto(tmp_path: Path) -> None:
+    config = SweepConfig(out=tmp_path, bandwidths_gbps=(1.0,), repeats=1, prompts=1,
+                         schemes=("int8", "lynx-auto", "lynx-4", "lynx-3", "lynx-2.2.4")).validate()
+    assert config.sweep_schemes == (
+        SweepScheme("int8", "int8"), SweepScheme("lynx-auto", "lynx", auto=True),
+        SweepScheme("lynx-4", "lynx", (4, 4)), SweepScheme("lynx-3", "lynx", (3, 5)),
+        SweepScheme("lynx-2.2.4", "lynx", (2, 2, 4)))
+    requests = {j.scheme: _request(config, j) for j in _jobs(config, config.bandwidths_gbps) if j.recorded}
+    assert requests["lynx-auto"]["scheme"] == "lynx" and requests["lynx-auto"]["planes"] == "auto"
+    assert requests["lynx-3"]["planes"] == [3, 5]
+
+
+def test_the_demo_shows_auto_beside_the_fixed_split_and_split_flags_replace_them(tmp_path: Path) -> None:
+    assert [s.name for s in QUICK.sweep_schemes] == ["bf16", "int8", "int4", "lynx-auto", "lynx-4"]
+    config = config_from_args(_args("--quick", "--planes", "4,4", "2,2,4", "--out", str(tmp_path)))
+    assert [s.name for s in config.sweep_schemes] == ["bf16", "int8", "int4", "lynx-4", "lynx-2.2.4"]
