@@ -257,7 +257,8 @@ class PrefillNode:
     def _held(self, ids: list[int], codec: CodecConfig) -> tuple[EncodedCache, str]:
         """The prompt's cache encoded as ``codec``, and how it was come by: held in
         memory, or prefilled (or found on disk) and encoded now, with the forms in
-        :attr:`prepare` (then held, ``memory_cache`` permitting)."""
+        :attr:`prepare`, all then held (with ``memory_cache`` 0 nothing is held, and
+        only ``codec`` is encoded)."""
         key = tuple(ids)
         with self._lock:
             entry = self._memory.get(key)
@@ -275,7 +276,8 @@ class PrefillNode:
             native, source = self.model.prefill(ids), "prefilled"
         loaded = time.monotonic()
         held = _Held({} if entry is None else dict(entry.encoded), native, native.prefill_s)
-        for config in (codec, *self.prepare):
+        # other forms only where they are held for later pulls (memory_cache 0: none are)
+        for config in (codec, *(self.prepare if self._memory_size else ())):
             if config not in held.encoded:
                 held.encoded[config] = encode_cache(native, self.model.info.layers, config)
         if not self.hold_native:

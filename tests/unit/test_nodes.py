@@ -138,6 +138,17 @@ def test_a_prompt_is_held_encoded_and_a_pull_of_a_held_form_sends_at_once(transp
         assert prefill.served == 4 and prefill.failed == 0
 
 
+def test_with_no_memory_cache_nothing_is_held_and_each_pull_prefills(transport: Transport) -> None:
+    # (the vLLM producer's node: its caches are vLLM's, held by HeldPrefills, not here)
+    model = CountingToyLM()
+    waits = Timeouts(stream_s=5.0)
+    with PrefillNode(model, transport=transport, timeouts=waits, memory_cache=0) as prefill, \
+            DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=POOL) as decode:
+        for scheme in (Scheme.INT8, Scheme.LYNX):
+            decode.run(prefill.address, PROMPT, scheme=scheme, max_new_tokens=4)
+        assert model.prefills == 2 and prefill.held_bytes == 0 and prefill.served == 2
+
+
 @pytest.mark.parametrize("scheme", [Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX])
 def test_every_scheme_round_trips(nodes: Any, scheme: Scheme) -> None:
     prefill, decode, _ = nodes
