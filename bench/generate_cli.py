@@ -2,7 +2,8 @@
 decodes it (speculatively on the anchors for ``--scheme lynx``) and writes the
 metrics, the text, the token ids and the token events (``token_events``, seconds
 from t0) to ``--json``. The LYNX split is ``--anchor-bits B`` (the split ``B,8-B``)
-or ``--planes 2,2,4`` (not both).
+or ``--planes 2,2,4`` (not both); by default ``auto``, chosen for the link and the
+prompt (:mod:`lynx_decode.split_choice`), possibly none (then the run is INT8).
 
 ``--stream`` prints the tokens as they come (:mod:`lynx_bench.token_stream`);
 ``--timeline`` draws the run (:mod:`lynx_bench.timeline`). Before the model loads
@@ -64,13 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheme", choices=SCHEMES, default="lynx")
     split = parser.add_mutually_exclusive_group()
     split.add_argument("--anchor-bits", default=None, metavar="B|auto",
-                       help=f"anchor bits for --scheme lynx: the split B,8-B ({MIN_BITS}..{MAX_BITS}, "
-                            f"default {DEFAULT_ANCHOR_BITS}); auto: chosen for --bandwidth and the prompt "
-                            "(possibly no split: then the run is INT8)")
+                       help=f"anchor bits for --scheme lynx: the split B,8-B ({MIN_BITS}..{MAX_BITS}); "
+                            "auto (the default): chosen for the link (--bandwidth, else the rate seen on "
+                            "earlier streams) and the prompt, possibly no split: then the run is INT8; with "
+                            f"nothing known about the link, {DEFAULT_ANCHOR_BITS},{8 - DEFAULT_ANCHOR_BITS}")
     split.add_argument("--planes", default=None, metavar="W,W[,W...]|auto",
                        help="the LYNX split for --scheme lynx: plane widths from the top bit down, "
-                            f"summing to 8, e.g. 2,2,4 (default {DEFAULT_ANCHOR_BITS},{8 - DEFAULT_ANCHOR_BITS}); "
-                            "auto: as --anchor-bits auto")
+                            "summing to 8, e.g. 2,2,4; auto (the default): as --anchor-bits auto")
     parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     parser.add_argument("--max-draft", type=int, default=None, metavar="K",
                         help="most tokens drafted before verification (default: the engine's)")
@@ -102,14 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def split_from_args(args: argparse.Namespace) -> tuple[int, ...] | Literal["auto"]:
-    """The LYNX split ``--planes`` / ``--anchor-bits`` ask for, or ``"auto"``
-    (:class:`ConfigError` if bad)."""
+    """The LYNX split ``--planes`` / ``--anchor-bits`` ask for, or ``"auto"`` (also
+    when neither is given; :class:`ConfigError` if bad)."""
     if "auto" in (args.planes, args.anchor_bits):
         return "auto"
     if args.planes is not None:
         return parse_planes_flag([args.planes], "--planes")[0]
     if args.anchor_bits is None:
-        return (DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS)
+        return "auto"
     try:
         bits = int(args.anchor_bits)
     except ValueError:

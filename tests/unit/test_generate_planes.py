@@ -1,5 +1,5 @@
 """`lynx generate --planes W,W[,W]`: one LYNX split, validated before the model loads,
-mutually exclusive with --anchor-bits (which keeps working as before)."""
+mutually exclusive with --anchor-bits (which keeps working as before); neither: auto."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _args(tmp_path: Path, *flags: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize(("flags", "split"), [
-    ((), (4, 4)),
+    ((), "auto"),
     (("--anchor-bits", "3"), (3, 5)),
     (("--planes", "4,4"), (4, 4)),
     (("--planes", "2,2,4"), (2, 2, 4)),
