@@ -358,6 +358,11 @@ class DecodeNode:
         assembler = _result(waiting.future, self.timeout_s, "the KV stream did not open")
         stream = assembler.stream
         first_token: list[float] = []
+        released = threading.Event()  # a held residual was asked for
+        levels = assembler.levels
+        if hold:  # a held residual is due only once released: the engine must not wait for it
+            levels = [level if i == 0 else dataclasses.replace(level, eta=_once(released, level.eta))
+                      for i, level in enumerate(levels)]
 
         def events(event: Event) -> None:
             first = isinstance(event, Tentative | Committed) and not first_token
@@ -365,6 +370,7 @@ class DecodeNode:
                 first_token.append(time.time())
                 if hold:  # the first token is out: let the residual come ...
                     _release_residual(stream, assembler.num_planes, self.timeout_s)
+                    released.set()
             if on_event is not None:  # the caller sees the token before the gate's work below
                 on_event(event)
             if first:
@@ -381,7 +387,7 @@ class DecodeNode:
                                   on_missing_full=on_missing_residual,
                                   step_s=self._seen_step_s or DEFAULT_STEP_S)
             # the first step starts now and waits inside each layer for its K/V
-            gen = generate(self.model, ids, levels=assembler.levels, config=config,
+            gen = generate(self.model, ids, levels=levels, config=config,
                            t0=assembler.header.t0_unix, clock=time.time, on_event=events)
             if gen.metrics.verified:
                 stream.wait(self.timeout_s)
@@ -531,3 +537,8 @@ def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
     steps = m.new_tokens - 1 - m.accepted
     out["step_s"] = None if m.ttfct_s is None or steps < 1 else (m.e2e_s - m.ttfct_s) / steps
     return out
+
+
+def _once(event: threading.Event, eta: Callable[[], float | None] | None) -> Callable[[], float | None]:
+    """``eta``, unknown (None) until ``event`` is set."""
+    return lambda: eta() if eta is not None and event.is_set() else None
