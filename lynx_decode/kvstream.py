@@ -495,8 +495,7 @@ class KVAssembler:
         """The caches the decode engine drafts on and verifies against, coarsest
         first: each with its future, its buffers while they fill, and an estimate
         of when it completes."""
-        return [CacheLevel(future, kv, functools.partial(self.eta, level), functools.partial(self.take, level),
-                           self.open_full_gate if level > 0 else None)
+        return [CacheLevel(future, kv, functools.partial(self.eta, level), functools.partial(self.take, level))
                 for level, (future, kv) in enumerate(zip(self._futures, self._kv))]
 
     def take(self, level: int, layer: int, timeout: float = 0.0) -> bool:
@@ -609,8 +608,7 @@ class KVAssembler:
 
     def open_full_gate(self) -> None:
         """Let the levels above the anchor be dequantized (call once the first token
-        is out, or at once; the engine calls it through :attr:`levels` when a pass
-        waits for the exact level).
+        is out, or at once).
 
         A multi-plane stream dequantizes levels 1.. only after the gate opens, so
         the first draft step does not share CPU and memory bandwidth with

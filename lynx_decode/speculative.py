@@ -20,11 +20,9 @@ Algorithm (prompt ``ids``; every cache covers ``ids[:-1]``, see
 0. Every pass reads, in each layer, the finest level whose layer has landed when
    the pass reaches it (a level with ``take`` is asked to make a landed layer
    readable), waiting for the pass's own level when none finer is in; while
-   the pass has read exact K/V in every layer so far, a layer waits for its
-   exact K/V when the exact level is due before a token drafted on the pass's
-   level could be verified (the draft's compute or arrival, plus
-   :data:`VERIFY_STEPS` steps): then waiting commits sooner, as INT8's first
-   token does. A pass is as fine as its coarsest layer.
+   the pass has read exact K/V in every layer so far, a layer waits (at most
+   ``step_s``) for its exact K/V when the exact level is due within a step. A
+   pass is as fine as its coarsest layer.
 1. Start on the coarsest level with buffers (pipelined), else on the best level
    whose future resolved first. If the first step read exact K/V in every
    layer, its token is :class:`Committed` (no verify pass) and step 4 follows;
@@ -100,8 +98,7 @@ class DecodeConfig:
     happens when it is exceeded or the full cache fails. ``step_s`` (None: unknown)
     is the expected time of one decode step, until the first is measured: while a
     pass has read exact K/V in every layer so far, a layer whose exact K/V is not in
-    waits for it when that commits sooner than drafting and verifying would (step 0
-    of the algorithm)."""
+    waits for it (at most a step) when the exact level is due within a step."""
 
     max_new_tokens: int = 32
     max_draft: int = DEFAULT_MAX_DRAFT
@@ -145,21 +142,13 @@ class CacheLevel:
     completes (None: unknown); ``take`` (optional) makes one layer of ``buffers``
     readable if its bytes land within a timeout (``take(i, timeout)`` True: it is;
     the assembler dequantizes a layer it held back, on the calling thread).
-    Without ``take`` a layer is readable once ``buffers`` has it written.
-    ``wanted`` (optional, idempotent) is called whenever a pass is about to wait for
-    this level's layers: make them readable as they land (the assembler opens its gate, so
-    they are dequantized on its thread, not one by one in ``take``)."""
+    Without ``take`` a layer is readable once ``buffers`` has it written."""
 
     future: cf.Future[KVBuffers]
     buffers: KVBuffers | None = None
     eta: Callable[[], float | None] | None = None
     take: Callable[[int, float], bool] | None = None
-    wanted: Callable[[], None] | None = None
 
-
-#: A verify pass over one drafted token, in decode steps (two positions instead of one;
-#: measured 1.5-2x a step at 4k tokens on a busy 2-core host).
-VERIFY_STEPS = 1.5
 
 #: Draft another token only while the next level is more than this many draft steps
 #: away (a pass over the drafts costs about 1.5-2.5 steps at 1k-4k tokens, docs/design.md).
@@ -280,26 +269,15 @@ class _Run:
         take = self.chain[index].take
         return kv if kv.written(layer) or (take is not None and take(layer, max(0.0, timeout))) else None
 
-    def _eta(self, index: int) -> float | None:
-        eta = self.chain[index].eta
-        return eta() if eta is not None else None
-
-    def _exact_wait_s(self, floor: int, layer: int) -> float:
-        """How long layer ``layer`` of a pass exact so far waits for its exact K/V rather
-        than read level ``floor``. Waiting commits the pass's token once the exact level
-        is in (as INT8's first token, about when its last layer lands); reading ``floor``
-        gives a tentative token once that level is in and the pass's compute is through,
-        and a committed one only after a verify pass (:data:`VERIFY_STEPS` steps) that
-        cannot end before the exact level lands either. So wait, up to that horizon,
-        whenever the exact level is due before it; 0 (read ``floor``) when it is due
-        later or either estimate is unknown."""
-        full, step = self._eta(self.last), self.step_s
-        if full is None or step is None:
+    def _exact_within_a_step(self) -> float:
+        """How long a layer waits for its exact K/V rather than read a coarser level: the
+        exact level's time to completion when that is within one decode step (a pass read
+        on a coarser layer costs a verify pass later, at least a step), else 0."""
+        eta = self.chain[self.last].eta
+        remaining = eta() if eta is not None else None
+        if remaining is None or self.step_s is None or remaining > self.step_s:
             return 0.0
-        layers = self.model.info.num_layers
-        draft = max(self._eta(floor) or 0.0, step * (layers - layer) / layers)
-        horizon = draft + VERIFY_STEPS * step
-        return horizon if full <= horizon else 0.0
+        return min(self.step_s, 2 * remaining + 0.002)
 
     def _open(self, floor: int, timeout: float) -> tuple[LMCache, list[int]]:
         """A model cache for a pass on level ``floor`` or finer, and the level each layer
@@ -337,13 +315,10 @@ class _Run:
                         raise DecodeError(f"the {name} KV cache failed: {exc}") from exc
                     kv = finest(i)  # a finer level may have landed meanwhile
                 if used[i] != self.last and all(u == self.last for u in used[:i]):
-                    # exact so far: wait for this layer's exact K/V when that commits sooner
-                    # than a draft and its verify pass would, so the pass stays exact
-                    wait_s = min(self._exact_wait_s(floor, i), deadline - time.monotonic())
-                    wanted = self.chain[self.last].wanted
-                    if wait_s > 0 and wanted is not None:
-                        wanted()
-                    exact = self._readable(self.last, i, wait_s)
+                    # exact so far: wait a little for this layer's exact K/V when the exact
+                    # level is due within a step, so the pass stays exact (no verify pass)
+                    exact = self._readable(self.last, i, min(self._exact_within_a_step(),
+                                                             deadline - time.monotonic()))
                     if exact is not None:
                         used[i] = self.last
                         return exact

@@ -9,12 +9,12 @@ The rule, with ``T`` the INT8 cache's transfer time and ``S`` one decode step:
 
 - ``T < 3 S``: no split (INT8). A ``4,4`` draft is tentative once its anchors
   are in (``T / 2``) and its compute is through, and committed only after a
-  verify pass (about 1.5 steps, :data:`~lynx_decode.speculative.VERIFY_STEPS`):
-  ``T / 2 + 1.5 S`` comes by INT8's ``T`` within 5 % only from ``T = 2.7 S``, and
-  a first pass that waits for the exact K/V instead starts its layers only as
-  the residual lands, in the second half of ``T``, so it falls behind INT8's
-  pipelined pass once a step is more than ``T / 2``. Below ``3 S`` neither
-  clock gains; INT8 is as early on both.
+  verify pass over the drafts (1.5-2.5 steps, docs/design.md): ``T / 2 + 1.5 S``
+  comes by INT8's ``T`` within 5 % only from ``T = 2.7 S``, and a first pass
+  that waits for the exact K/V instead starts its layers only as the residual
+  lands, in the second half of ``T``, so it falls behind INT8's pipelined pass
+  once a step is more than ``T / 2``. Below ``3 S`` neither clock gains; INT8
+  is as early on both.
 - ``3 S <= T < 8 S``: ``4,4``. Tentative tokens at INT4's time, committed ones at
   INT8's (the verify pass rides on the residual's arrival), drafts as good as
   INT4's.
