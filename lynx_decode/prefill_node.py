@@ -88,7 +88,6 @@ class _Held:
 
     encoded: dict[CodecConfig, EncodedCache]
     native: Prefill | None
-    prefill_s: float
 
     @property
     def nbytes(self) -> int:
@@ -275,7 +274,7 @@ class PrefillNode:
         else:
             native, source = self.model.prefill(ids), "prefilled"
         loaded = time.monotonic()
-        held = _Held({} if entry is None else dict(entry.encoded), native, native.prefill_s)
+        held = _Held({} if entry is None else dict(entry.encoded), native)
         # other forms only where they are held for later pulls (memory_cache 0: none are)
         for config in (codec, *(self.prepare if self._memory_size else ())):
             if config not in held.encoded:
