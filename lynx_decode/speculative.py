@@ -41,7 +41,11 @@ Algorithm (prompt ``ids``; every cache covers ``ids[:-1]``, see
    (if anything was rejected). On an intermediate level the kept tokens and
    ``preds[k]`` stay tentative (new ones as :class:`Tentative`) and step 2
    continues there; on a pass exact in every layer they are emitted as
-   :class:`Committed`.
+   :class:`Committed`. One draft alone is checked by a one-token pass over
+   ``[ids[-1]]`` (no bonus token: the next step makes it): a batched pass of
+   two tokens costs a one-token pass and a half or more on CPU (the weight
+   products leave the matrix-vector path; docs/design.md, "Measured facts"),
+   and the first committed token waits for that pass.
 4. Continue greedily on the exact cache until ``max_new_tokens`` or EOS.
 
 So the first committed token follows the exact cache's last byte by about one
@@ -380,7 +384,9 @@ class _Run:
             try:
                 ncache, used = self._open(nxt, full_timeout if nxt == self.last else self.config.wait_timeout_s)
                 pass_start = self.clock()
-                preds = [int(t) for t in np.argmax(_forward(self.model, ncache, [self.ids[-1], *toks]), axis=-1)]
+                # one draft: a one-token pass checks it (no bonus token; see step 3 above)
+                inputs = [self.ids[-1], *toks] if len(toks) > 1 else [self.ids[-1]]
+                preds = [int(t) for t in np.argmax(_forward(self.model, ncache, inputs), axis=-1)]
                 pass_s = self.clock() - pass_start
                 self.verify_passes += 1
                 nxt = min(used)  # the pass is as fine as its coarsest layer
@@ -393,8 +399,11 @@ class _Run:
             accepted = 0
             while accepted < len(toks) and toks[accepted] == preds[accepted]:
                 accepted += 1
-            ncache.crop(self.cached + 1 + accepted)
-            kept = _truncate([*toks[:accepted], preds[accepted]], self.eos, self.n_max)
+            if accepted < len(preds):  # a correction, or the bonus token after every draft
+                ncache.crop(self.cached + 1 + accepted)
+                kept = _truncate([*toks[:accepted], preds[accepted]], self.eos, self.n_max)
+            else:  # the one draft checked without a bonus token: the cache holds ids[-1] alone
+                kept = list(toks)
             if accepted < len(toks):
                 yield Rollback(accepted, len(toks) - accepted)
             if nxt == self.last:
