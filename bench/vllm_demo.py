@@ -143,7 +143,7 @@ def run(model_dir: Path, out: Path, *, tokens: int = 2048, new_tokens: int = 16,
     }
     for scheme in SCHEMES:
         runs = rows[scheme]
-        mine = [r for r in loads if r["scheme"] == scheme]
+        mine = [r for r in loads if r.get("asked_scheme", r["scheme"]) == scheme]
         ttft = statistics.median(r["ttft_s"] for r in runs)
         result["schemes"].append({
             "scheme": scheme, "ttft_s": ttft, "ttft_with_prefill_s": result["producer_prefill_s"] + ttft,
@@ -151,6 +151,9 @@ def run(model_dir: Path, out: Path, *, tokens: int = 2048, new_tokens: int = 16,
             "text": _detok(model_dir, runs[0]["token_ids"]),
             "equal_to_reference": all(r["token_ids"] == reference for r in runs),
             "bytes_on_wire": mine[0]["bytes_on_wire"] if mine else None,
+            # what was pulled: lynx's default split is auto (possibly none: then int8)
+            "pulled": sorted({(r["scheme"], str(r.get("planes"))) for r in mine}),
+            "split_choice": mine[-1].get("split_choice") if mine else None,
             "loads_ok": sum(1 for r in mine if r["error"] is None and r["layers_loaded"] > 0),
         })
     int8 = next(s for s in result["schemes"] if s["scheme"] == "int8")

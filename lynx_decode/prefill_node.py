@@ -17,7 +17,9 @@ Threads (threads + futures, like the transport):
   LYNX splits ``4,4`` and ``3,5``), and the memory cache holds those encoded
   forms (:class:`~lynx_decode.kvencode.EncodedCache`), not the float32 cache
   (``hold_native`` keeps it too); a later pull of a form not held reloads the
-  float32 cache from disk (or prefills again) and encodes it;
+  float32 cache from disk (or prefills again) and encodes it. A model that is
+  an :class:`~lynx_decode.kvencode.EncodedSource` (vLLM's producer, which
+  encodes each layer as vLLM saves it) is asked for the form first;
 * each prefilled request is then sent by a thread of its own (``lynx-send``):
   its anchors at once, its held residual once the decode node releases it, and
   waiting for the confirmation, so one request's held residual never delays
@@ -58,7 +60,7 @@ import numpy as np
 
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import DecodeError
-from lynx_decode.kvencode import EncodedCache, encode_cache
+from lynx_decode.kvencode import EncodedCache, EncodedSource, encode_cache
 from lynx_decode.kvstream import send_cache, warm_up_codec
 from lynx_decode.model.protocol import CausalLM, Prefill
 from lynx_decode.prefill_cache import PrefillCache
@@ -265,6 +267,11 @@ class PrefillNode:
                 self._memory.move_to_end(key)
                 if codec in entry.encoded:
                     return entry.encoded[codec], f"held encoded, {entry.describe()}"
+        if isinstance(self.model, EncodedSource):  # a model that encoded the cache as it was made
+            ready = self.model.encoded(ids, codec)
+            if ready is not None:
+                return ready, (f"held encoded as it was saved ({_form(codec)}, {ready.nbytes / 1e6:.1f} MB, "
+                               f"{ready.encode_s:.2f} s of encoding beside the prefill)")
         start = time.monotonic()
         if entry is not None and entry.native is not None:
             native, source = entry.native, "prefill in memory"

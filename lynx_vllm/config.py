@@ -10,8 +10,14 @@ Keys (all optional except ``port`` on a producer):
 ``scheme`` / ``planes``
     How the consumer asks for caches: ``bf16`` (lossless), ``int8``, ``int4`` or
     ``lynx`` (default; anchor + residual, exactly INT8 once both landed) with its
-    plane split (default ``4,4``). A request's ``kv_transfer_params["lynx"]`` may
-    override both.
+    plane split: ``"auto"`` (default) or widths such as ``"4,4"``. Auto chooses per
+    load with :func:`lynx_decode.split_choice.choose_split`, from the INT8 cache's
+    size and the link rate (``bandwidth_gbps``, else the rate this consumer saw on
+    its last load from that producer; ``4,4`` before any), possibly no split, then
+    the load is INT8 (its record says what ran and why: ``scheme``, ``planes``,
+    ``split_choice``). A vLLM consumer waits for every plane of a layer, so the
+    split only orders the bytes on the link. A request's
+    ``kv_transfer_params["lynx"]`` may override both.
 ``bandwidth_gbps``
     The producer's egress rate, every consumer together (Lynx's shaper; default
     unshaped).
@@ -47,14 +53,21 @@ import dataclasses
 import enum
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from lynx_decode.codec.config import CodecConfig, Scheme, check_planes, parse_planes
 from lynx_decode.errors import CodecError
+from lynx_decode.kvstream import cache_bytes
+from lynx_decode.model.geometry import LayerGeometry
+from lynx_decode.split_choice import DEFAULT_STEP_S, SplitChoice, choose_split
 from lynx_decode.timeouts import Timeouts
 from lynx_vllm.errors import ConnectorError
 
-__all__ = ["ConnectorConfig", "LoadMode", "codec_config", "scheme_of", "planes_of", "load_mode_of"]
+__all__ = ["ConnectorConfig", "LoadMode", "Planes", "codec_config", "scheme_of", "planes_of", "load_mode_of",
+           "resolve_split", "prepared_forms"]
+
+#: A LYNX split, or ``"auto"``: chosen per load (:func:`resolve_split`).
+Planes = tuple[int, ...] | Literal["auto"]
 
 _KEYS = frozenset({"host", "port", "scheme", "planes", "bandwidth_gbps", "timeout_s", "peer_timeout_s",
                    "connect_timeout_s", "max_prefills", "hold_s", "stats_path", "load"})
@@ -96,8 +109,11 @@ def scheme_of(value: Any) -> Scheme:
     return scheme
 
 
-def planes_of(value: Any) -> tuple[int, ...]:
-    """A plane split (``"4,4"`` or a sequence of widths) as a validated tuple; :class:`ConnectorError` if bad."""
+def planes_of(value: Any) -> Planes:
+    """A plane split (``"4,4"`` or a sequence of widths) as a validated tuple, or ``"auto"``;
+    :class:`ConnectorError` if bad."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     try:
         return parse_planes(value) if isinstance(value, str) else check_planes(value)
     except CodecError as exc:
@@ -117,7 +133,7 @@ class ConnectorConfig:
     host: str = "127.0.0.1"
     port: int = 0
     scheme: Scheme = Scheme.LYNX
-    planes: tuple[int, ...] = (4, 4)
+    planes: Planes = "auto"
     bandwidth_gbps: float | None = None
     timeout_s: float = 30.0
     peer_timeout_s: float = Timeouts.peer_s
@@ -148,7 +164,7 @@ class ConnectorConfig:
             host=str(extra.get("host", "127.0.0.1")),
             port=port,
             scheme=scheme_of(extra.get("scheme", "lynx")),
-            planes=planes_of(extra.get("planes", (4, 4))),
+            planes=planes_of(extra.get("planes", "auto")),
             bandwidth_gbps=None if rate is None else _positive("bandwidth_gbps", rate),
             timeout_s=_positive("timeout_s", extra.get("timeout_s", 30.0)),
             peer_timeout_s=_positive("peer_timeout_s", extra.get("peer_timeout_s", Timeouts.peer_s)),
@@ -162,10 +178,39 @@ class ConnectorConfig:
     def timeouts(self) -> Timeouts:
         return Timeouts(connect_s=self.connect_timeout_s, peer_s=self.peer_timeout_s, stream_s=self.timeout_s)
 
-    def request_codec(self, params: Mapping[str, Any] | None) -> tuple[Scheme, tuple[int, ...]]:
+    def request_codec(self, params: Mapping[str, Any] | None) -> tuple[Scheme, Planes]:
         """The scheme and planes a load asks for: the request's ``kv_transfer_params["lynx"]``
         ``scheme``/``planes`` where given, else this config's."""
         lynx = (params or {}).get("lynx") or {}
         scheme = scheme_of(lynx["scheme"]) if "scheme" in lynx else self.scheme
         planes = planes_of(lynx["planes"]) if "planes" in lynx else self.planes
         return scheme, planes
+
+
+def resolve_split(scheme: Scheme, planes: Planes, geometry: tuple[LayerGeometry, ...], prompt_tokens: int,
+                  rate_gbps: float | None) -> tuple[Scheme, tuple[int, ...], str | None]:
+    """The scheme and split a load of ``prompt_tokens`` pulls, and why (None unless ``auto`` chose):
+    ``auto`` with LYNX takes :func:`~lynx_decode.split_choice.choose_split` for the INT8 cache on a
+    link of ``rate_gbps`` (``4,4`` when None: nothing known yet), and INT8 when it chooses no split."""
+    if planes != "auto":
+        return scheme, planes, None
+    if scheme is not Scheme.LYNX:
+        return scheme, (4, 4), None
+    if rate_gbps is None:
+        choice = SplitChoice((4, 4))
+    else:
+        int8_bytes = cache_bytes(geometry, max(1, prompt_tokens - 1), CodecConfig(Scheme.INT8))
+        choice = choose_split(int8_bytes, rate_gbps, DEFAULT_STEP_S)
+    if choice.planes is None:
+        return Scheme.INT8, (4, 4), choice.reason
+    return Scheme.LYNX, choice.planes, choice.reason
+
+
+def prepared_forms(scheme: Scheme, planes: Planes) -> tuple[CodecConfig, ...]:
+    """The forms a producer encodes each saved layer into for consumers configured with
+    ``scheme``/``planes``: that form (for auto, every form it may choose: INT8, LYNX ``4,4`` and
+    ``3,5``)."""
+    if scheme is Scheme.LYNX and planes == "auto":
+        return (CodecConfig(Scheme.INT8), CodecConfig(Scheme.LYNX, planes=(4, 4)),
+                CodecConfig(Scheme.LYNX, planes=(3, 5)))
+    return (codec_config(scheme, (4, 4) if planes == "auto" else planes),)

@@ -60,7 +60,7 @@ from lynx_decode.prefill_node import PrefillNode
 from lynx_transport import Rate
 from lynx_vllm import paged
 from lynx_vllm.async_load import AsyncLoads
-from lynx_vllm.config import ConnectorConfig, LoadMode
+from lynx_vllm.config import ConnectorConfig, LoadMode, prepared_forms
 from lynx_vllm.consumer import KVLoader, Load
 from lynx_vllm.errors import ConnectorError, LoadError
 from lynx_vllm.plan import ConsumerPlan, LoadSpec, ProducerPlan, SaveSpec, producer_params
@@ -173,7 +173,8 @@ class LynxConnector(KVConnectorBase_V1):
         timeouts = self.config.timeouts()
         if self._producer:
             self._held = HeldPrefills(info, max_prefills=self.config.max_prefills, hold_s=self.config.hold_s,
-                                      wait_s=self.config.timeout_s)
+                                      wait_s=self.config.timeout_s,
+                                      prepare=prepared_forms(self.config.scheme, self.config.planes))
             self._expiry = threading.Thread(target=self._expire_held, args=(self._held,),
                                             name="lynx-held-expiry", daemon=True)
             self._expiry.start()
@@ -322,6 +323,8 @@ class LynxConnector(KVConnectorBase_V1):
         if self._node is not None:
             self._node.close()
             self._node = None
+        if self._held is not None:
+            self._held.close()
         if self._loader is not None:
             self._loader.close()
             self._loader = None

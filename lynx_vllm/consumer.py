@@ -43,7 +43,7 @@ from lynx_decode.request import KVRequest, parse_error_reply
 from lynx_transport import Lane, ReceivePool, ReceiveStream
 from lynx_transport.errors import LynxError, TransportError
 from lynx_transport.seam import UCX, ReceiverCallbacks, Sender, Transport
-from lynx_vllm.config import ConnectorConfig, LoadMode
+from lynx_vllm.config import ConnectorConfig, LoadMode, Planes, resolve_split
 from lynx_vllm.errors import LoadError
 
 __all__ = ["KVLoader", "Load"]
@@ -70,6 +70,10 @@ class Load:
     times: dict[str, float] = dataclasses.field(default_factory=dict)
     deadline: float = 0.0
     mode: LoadMode = LoadMode.SYNC
+    #: the scheme the request asked for (``scheme`` is what was pulled: INT8 when auto chose no split)
+    asked: Scheme | None = None
+    #: why auto chose this split (None: the split was given)
+    split_choice: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -80,6 +84,7 @@ class Load:
         header = self.header
         return {"request_id": self.request_id, "pull_id": self.pull_id, "scheme": self.scheme.value,
                 "planes": list(self.planes) if self.scheme is Scheme.LYNX else None,
+                "asked_scheme": (self.asked or self.scheme).value, "split_choice": self.split_choice,
                 "load": self.mode.value, "prompt_tokens": self.prompt_tokens, "layers_loaded": self.layers_loaded,
                 "tokens_loaded": self.tokens_loaded,
                 "bytes_on_wire": None if header is None else sum(n for _, n, _ in header.regions()),
@@ -104,6 +109,7 @@ class KVLoader:
         self._release_on_complete: set[int] = set()
         self._conns: dict[tuple[str, int], Sender] = {}
         self._conn_lock = threading.Lock()
+        self._seen_gbps: dict[tuple[str, int], float] = {}  # the rate of the last load from each producer
         warm_up_codec()
         self._egress = transport.egress(self._transport_config)
         self._receiver = transport.listen(
@@ -117,11 +123,19 @@ class KVLoader:
 
     # -- the worker's side ---------------------------------------------------------------------
     def start(self, request_id: str, producer: tuple[str, int], prompt_ids: Sequence[int], *,
-              scheme: Scheme, planes: tuple[int, ...], mode: LoadMode = LoadMode.SYNC) -> Load:
+              scheme: Scheme, planes: Planes, mode: LoadMode = LoadMode.SYNC) -> Load:
         """Ask ``producer`` for the cache of ``prompt_ids[:-1]``. Never raises: a load that could not
-        start comes back already failed. ``mode`` only goes into the load's record."""
-        load = Load(request_id, f"{request_id}#{self._nonce}.{next(self._ids)}", producer, scheme, planes,
-                    len(prompt_ids), deadline=time.monotonic() + self.config.timeout_s, mode=mode)
+        start comes back already failed. ``planes="auto"``: the split chosen for the link
+        (:func:`~lynx_vllm.config.resolve_split`; possibly none, then the pull is INT8). ``mode``
+        only goes into the load's record."""
+        with self._lock:
+            seen = self._seen_gbps.get(producer)
+        rate = self.config.bandwidth_gbps if self.config.bandwidth_gbps is not None else seen
+        pulled, split, why = resolve_split(scheme, planes, self.info.layers, len(prompt_ids), rate)
+        load = Load(request_id, f"{request_id}#{self._nonce}.{next(self._ids)}", producer, pulled, split,
+                    len(prompt_ids), deadline=time.monotonic() + self.config.timeout_s, mode=mode,
+                    asked=scheme, split_choice=why)
+        scheme, planes = pulled, split
         load.times["requested_at"] = time.time()
         with self._lock:
             self._waiting[load.pull_id] = load
@@ -186,6 +200,10 @@ class KVLoader:
             else:
                 self._end(stream, "the consumer finished without the rest of the stream")
         record = load.record()
+        landed, opened = load.times.get("last_layer_landed_at"), load.times.get("header_at")
+        if load.error is None and record["bytes_on_wire"] and landed and opened and landed > opened:
+            with self._lock:  # what auto takes for this producer's link next time
+                self._seen_gbps[load.producer] = record["bytes_on_wire"] * 8 / (landed - opened) / 1e9
         if load.error is None:
             log.info("loaded %s: %d tokens, %s, %.1f MB, %.3f s from the pull to the last layer",
                      load.request_id, load.prompt_tokens - 1, load.scheme.value, (record["bytes_on_wire"] or 0) / 1e6,

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from lynx_decode.codec.config import Scheme
+from lynx_vllm.config import Planes
 
 __all__ = ["Transfer", "LoadSpec", "SaveSpec", "ConsumerPlan", "ProducerPlan", "transfer_of", "producer_params",
            "REMOTE_DECODE", "remote_decode"]
@@ -75,7 +76,7 @@ class LoadSpec:
     start: int
     end: int
     scheme: Scheme
-    planes: tuple[int, ...]
+    planes: Planes
     #: the blocks the load may write (an asynchronous load: the request's blocks no other request
     #: shares, vLLM's unhashed ones), or None (a synchronous load, inside the forward that owns them)
     own_blocks: tuple[int, ...] | None = None
@@ -122,7 +123,7 @@ class ConsumerPlan:
             self._ready[request_id] = (transfer, local, local + num_external)
 
     def take(self, request_id: str, prompt_ids: Sequence[int], block_ids: Sequence[int],
-             scheme: Scheme, planes: tuple[int, ...], *, own_blocks: Sequence[int] | None = None) -> LoadSpec | None:
+             scheme: Scheme, planes: Planes, *, own_blocks: Sequence[int] | None = None) -> LoadSpec | None:
         ready = self._ready.pop(request_id, None)
         if ready is None:
             return None

@@ -4,6 +4,12 @@ until a consumer pulls them, and served by a Lynx :class:`~lynx_decode.PrefillNo
 vLLM's worker hands each request's K/V to :meth:`HeldPrefills.save_layer` layer
 by layer as its last prefill step runs (copied out of the paged blocks, so vLLM
 can free them at once), and :meth:`HeldPrefills.finish` publishes the prefill.
+Each saved layer is also encoded at once into the forms in ``prepare`` (the
+scheme the connector is configured for; INT8 and the LYNX splits for ``auto``),
+on a thread beside vLLM's (:class:`~lynx_decode.kvencode.EncodeAhead`), while
+vLLM computes the next layer: a pull of a prepared form starts sending at once,
+and only a pull of another form (a request that asks for a scheme of its own)
+is encoded when it comes, from the float32 cache held beside the forms.
 A consumer's pull request (a :class:`~lynx_decode.request.KVRequest` carrying
 the prompt's token ids and the scheme it wants) reaches the prefill node, which
 asks :meth:`HeldPrefills.prefill` for those ids and encodes and streams the cache
@@ -18,6 +24,7 @@ cache is held (here: pulled from the store), as in every Lynx run.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import dataclasses
 import logging
 import threading
@@ -27,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from lynx_decode.codec.config import CodecConfig
 from lynx_decode.errors import DecodeError
+from lynx_decode.kvencode import EncodeAhead, EncodedCache
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import LMCache, ModelInfo, Prefill
 
@@ -37,21 +46,29 @@ log = logging.getLogger("lynx_vllm")
 
 
 class _Saving:
-    def __init__(self, ids: tuple[int, ...], kv: KVBuffers, started: float, name: str) -> None:
+    def __init__(self, ids: tuple[int, ...], kv: KVBuffers, ahead: EncodeAhead, started: float,
+                 name: str) -> None:
         self.ids = ids
         self.kv = kv
+        self.ahead = ahead
         self.started = started
         self.name = name
         self.done = threading.Event()
-        self.prefill: Prefill | None = None
+        self.held: _Held | None = None
 
 
 @dataclasses.dataclass
 class _Held:
     prefill: Prefill
+    encoded: dict[CodecConfig, EncodedCache]
     name: str
     used_at: float  # published, or last pulled
     pulls: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        kv = self.prefill.kv
+        return kv.keys.nbytes + kv.values.nbytes + sum(e.nbytes for e in self.encoded.values())
 
 
 class HeldPrefills:
@@ -63,14 +80,17 @@ class HeldPrefills:
     ``hold_s``: a held prefill no consumer pulled for this long (since it was published or last
     pulled) is dropped by :meth:`expire` (which every publish and pull runs too).
     ``wait_s``: how long a pull for a prefill still being saved waits for it.
+    ``prepare``: the forms each layer is encoded into as it is saved (none: every pull encodes).
     ``clock``: monotonic seconds (the tests' virtual clock). Every drop is logged on ``lynx_vllm``:
     a WARNING for a prefill no consumer ever pulled (a hand-off that did not happen), else INFO.
     Thread-safe: vLLM's worker saves while the prefill node's thread pulls.
     """
 
     def __init__(self, info: ModelInfo, *, max_prefills: int = 16, hold_s: float = 60.0, wait_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 prepare: Sequence[CodecConfig] = (), clock: Callable[[], float] = time.monotonic) -> None:
         self._info = info
+        self.prepare = tuple(prepare)
+        self._encoder = cf.ThreadPoolExecutor(1, thread_name_prefix="lynx-encode-ahead")
         self._max = max_prefills
         self._hold_s = hold_s
         self._wait_s = wait_s
@@ -87,6 +107,16 @@ class HeldPrefills:
         with self._lock:
             return len(self._held)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every held prefill: the float32 cache and its prepared forms."""
+        with self._lock:
+            return sum(held.nbytes for held in self._held.values())
+
+    def close(self) -> None:
+        """Stop the encoding thread (saves after this fail)."""
+        self._encoder.shutdown(wait=False, cancel_futures=True)
+
     # -- the worker's side (vLLM's save_kv_layer / wait_for_save) ---------------------------------
     def begin(self, prompt_ids: Sequence[int], name: str | None = None) -> None:
         """Start saving the cache of ``prompt_ids[:-1]`` (every layer must follow, then :meth:`finish`);
@@ -96,13 +126,17 @@ class HeldPrefills:
             raise DecodeError(f"a prompt of {len(ids)} token(s) has no cache to hold")
         info = self._info
         kv = KVBuffers(KVShape(info.num_layers, info.kv_heads, len(ids) - 1, info.head_dim))
+        ahead = EncodeAhead(ids, info.layers, self.prepare, self._encoder)
         with self._lock:
-            self._saving[ids] = _Saving(ids, kv, self._clock(), f"request {name}" if name else "a request")
+            self._saving[ids] = _Saving(ids, kv, ahead, self._clock(), f"request {name}" if name else "a request")
 
     def save_layer(self, prompt_ids: Sequence[int], layer: int, k: Any, v: Any) -> None:
-        """Layer ``layer``'s K and V (``[kv_heads, len(prompt_ids) - 1, head_dim]``, any float dtype)."""
+        """Layer ``layer``'s K and V (``[kv_heads, len(prompt_ids) - 1, head_dim]``, any float dtype),
+        queued for encoding into the prepared forms at once."""
         saving = self._saving_of(prompt_ids)
         saving.kv.write_layer(layer, np.asarray(k, dtype=np.float32), np.asarray(v, dtype=np.float32))
+        if saving.ahead.configs:
+            saving.ahead.layer(layer, *saving.kv.layer(layer))
 
     def finish(self, prompt_ids: Sequence[int]) -> Prefill:
         """Publish the saved prefill (every layer written): pulls for it are served from now on."""
@@ -113,18 +147,25 @@ class HeldPrefills:
             raise DecodeError("finish() without begin() for this prompt")
         missing = saving.kv.missing_layers()
         if missing:
+            saving.ahead.cancel()
             saving.done.set()
             raise DecodeError(f"the prefill of {len(ids)} tokens is missing layers {missing}")
+        try:
+            encoded = saving.ahead.finish() if saving.ahead.configs else {}
+        except BaseException:
+            saving.done.set()
+            raise
         now = self._clock()
         prefill = Prefill(ids, saving.kv, now - saving.started)
+        held = _Held(prefill, encoded, saving.name, now)
         dropped: list[tuple[_Held, str]] = []
         with self._lock:
-            self._held[ids] = _Held(prefill, saving.name, now)
+            self._held[ids] = held
             self._held.move_to_end(ids)
             while len(self._held) > self._max:
                 dropped.append((self._held.popitem(last=False)[1], "max"))
             dropped += self._expired(now)
-        saving.prefill = prefill
+        saving.held = held
         saving.done.set()
         self._log_drops(dropped)
         return prefill
@@ -156,6 +197,7 @@ class HeldPrefills:
         with self._lock:
             saving = self._saving.pop(tuple(int(t) for t in prompt_ids), None)
         if saving is not None:
+            saving.ahead.cancel()
             saving.done.set()
 
     def _saving_of(self, prompt_ids: Sequence[int]) -> _Saving:
@@ -169,21 +211,31 @@ class HeldPrefills:
     def prefill(self, token_ids: Sequence[int]) -> Prefill:
         """The held prefill of ``token_ids`` (waiting up to ``wait_s`` for one still being saved), or
         :class:`DecodeError` saying it is not held."""
+        return self._pull(token_ids).prefill
+
+    def encoded(self, token_ids: Sequence[int], config: CodecConfig) -> EncodedCache | None:
+        """The held prefill of ``token_ids`` encoded as ``config`` when that form was prepared, else
+        None (then the prefill node encodes it from :meth:`prefill`); :class:`DecodeError` as there."""
+        return self._pull(token_ids, config).encoded.get(config)
+
+    def _pull(self, token_ids: Sequence[int], form: CodecConfig | None = None) -> _Held:
+        """The held entry, counted as pulled unless ``form`` was asked and is not held (then
+        :meth:`prefill` follows and counts it)."""
         ids = tuple(int(t) for t in token_ids)
         while True:
             with self._lock:
                 now = self._clock()
                 dropped = self._expired(now)
                 held = self._held.get(ids)
-                if held is not None:
+                if held is not None and (form is None or form in held.encoded):
                     held.pulls += 1
                     held.used_at = now
                     self._held.move_to_end(ids)
                 saving = self._saving.get(ids)
             self._log_drops(dropped)
             if held is not None:
-                return held.prefill
-            if saving is None or not saving.done.wait(self._wait_s) or saving.prefill is None:
+                return held
+            if saving is None or not saving.done.wait(self._wait_s) or saving.held is None:
                 raise DecodeError(f"this producer holds no prefill of the {len(ids)}-token prompt: it was not "
                                   "prefilled here (the producer saves requests whose kv_transfer_params carry "
                                   f"do_remote_decode: true), or was dropped (unpulled for hold_s={self._hold_s:g} s, "

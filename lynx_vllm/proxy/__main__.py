@@ -36,8 +36,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, argparse.Nam
     p.add_argument("--scheme", choices=SCHEMES, default=None,
                    help="how the consumer pulls caches, unless a request says (default: the consumer's "
                         "kv_connector_extra_config)")
-    p.add_argument("--planes", default=None, metavar="W,W",
-                   help="the lynx plane split, e.g. 4,4 or 2,2,4 (default: the consumer's)")
+    p.add_argument("--planes", default=None, metavar="W,W|auto",
+                   help="the lynx plane split, e.g. 4,4 or 2,2,4, or auto (default: the consumer's)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="bound on each wait of a leg: connect, the prefill's answer, the decode's headers "
                         "and each wait for more of its body (default %(default)s s)")

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lynx_decode.codec.config import Scheme
-from lynx_vllm.config import planes_of, scheme_of
+from lynx_vllm.config import Planes, planes_of, scheme_of
 from lynx_vllm.errors import ConnectorError, LegError
 from lynx_vllm.plan import REMOTE_DECODE
 
@@ -68,7 +68,7 @@ class Codec:
     """Lynx's codec choice for a decode leg: either may be None (the consumer's default then)."""
 
     scheme: Scheme | None = None
-    planes: tuple[int, ...] | None = None
+    planes: Planes | None = None
 
     def __post_init__(self) -> None:
         if self.planes is not None and self.scheme not in (None, Scheme.LYNX):
@@ -87,7 +87,7 @@ class Codec:
         if self.scheme is not None:
             out["scheme"] = self.scheme.value
         if self.planes is not None:
-            out["planes"] = list(self.planes)
+            out["planes"] = self.planes if self.planes == "auto" else list(self.planes)
         return out
 
 

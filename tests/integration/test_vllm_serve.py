@@ -211,7 +211,11 @@ def test_through_the_proxy_bf16_equals_plain_vllm_and_lynx_equals_int8_all_loade
     for scheme in out:  # every request's cache came over Lynx: every layer, every token but the last
         [load] = [r for r in _records(stack.loads) if f"{kind}-{scheme}" in r["request_id"]]
         assert load["error"] is None, load
-        assert load["scheme"] == scheme
+        assert load["asked_scheme"] == scheme, load
+        if scheme == "lynx":  # the default split, auto: a LYNX split, or INT8 when it chose none (and why)
+            assert load["split_choice"] and load["scheme"] in ("lynx", "int8"), load
+        else:
+            assert load["scheme"] == scheme, load
         assert (load["layers_loaded"], load["tokens_loaded"]) == (LAYERS, load["prompt_tokens"] - 1), load
         record = proxied[f"{kind}-{scheme}"]  # the proxy's view of the same request
         assert record["error"] is None and record["remote_prefill"] and record["status"] == 200, record

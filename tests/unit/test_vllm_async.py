@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from lynx_decode.prefill_node import PrefillNode
 from lynx_transport.testing import MemoryTransport, wait_until
 from lynx_vllm import paged
 from lynx_vllm.async_load import AsyncLoads
-from lynx_vllm.config import ConnectorConfig, LoadMode
+from lynx_vllm.config import ConnectorConfig, LoadMode, prepared_forms
 from lynx_vllm.consumer import KVLoader
 from lynx_vllm.errors import ConnectorError
 from lynx_vllm.plan import ConsumerPlan, LoadSpec, Transfer, producer_params
@@ -94,7 +95,9 @@ class Bench:
 
     def __init__(self, tmp: Path) -> None:
         self.transport = MemoryTransport()
-        self.held = HeldPrefills(INFO, wait_s=1.0)
+        # every layer encoded as it is saved into what auto may pull (INT8, LYNX 4,4 and 3,5); a
+        # bf16 pull is encoded by the prefill node when it comes
+        self.held = HeldPrefills(INFO, wait_s=1.0, prepare=prepared_forms(Scheme.LYNX, "auto"))
         self.node = PrefillNode(self.held, transport=self.transport, memory_cache=0)
         self.stats = tmp / "loads.jsonl"
         config = ConnectorConfig.from_extra({"load": "async", "timeout_s": WAIT_S,
@@ -148,6 +151,7 @@ class Bench:
         self.loads.close()
         self.loader.close()
         self.node.close()
+        self.held.close()
 
 
 @pytest.fixture
@@ -182,9 +186,11 @@ def test_a_load_is_reported_only_once_every_layer_is_written_into_its_own_blocks
     assert bench.loads.pending() == 0
 
 
-def test_async_writes_what_a_sync_load_decodes(bench: Bench) -> None:
+def test_async_writes_what_a_sync_load_decodes(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
     """LYNX (both planes of every layer) through the load thread = the loader's own decode, as the
-    synchronous path writes it inside the forward."""
+    synchronous path writes it inside the forward; both pulls are served from the form the producer
+    encoded as each layer was saved, not encoded at the pull."""
+    caplog.set_level(logging.INFO, logger="lynx_decode.prefill")
     ids = _ids(70, seed=2)
     bench.hold(ids)
     blocks = [3, 1, 4, 6, 7]
@@ -198,6 +204,9 @@ def test_async_writes_what_a_sync_load_decodes(bench: Bench) -> None:
         assert torch.equal(other[i], bench.kv[i]), i
     bench.loader.finish(sync)
     assert [r["load"] for r in bench.records()] == ["async", "sync"]
+    served = [m for m in (r.getMessage() for r in caplog.records if r.name == "lynx_decode.prefill")
+              if "lynx 4,4" in m]
+    assert len(served) == 2 and all("held encoded as it was saved" in m for m in served), served
 
 
 def test_a_failed_load_is_reported_with_its_blocks_and_writes_nothing(bench: Bench) -> None:

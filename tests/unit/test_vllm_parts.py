@@ -9,11 +9,12 @@ import threading
 import numpy as np
 import pytest
 
-from lynx_decode.codec.config import Scheme
+from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import DecodeError
+from lynx_decode.kvencode import EncodedSource, encode_cache
 from lynx_decode.model.protocol import ModelInfo
 from lynx_vllm import paged
-from lynx_vllm.config import ConnectorConfig
+from lynx_vllm.config import ConnectorConfig, prepared_forms, resolve_split
 from lynx_vllm.errors import ConnectorError
 from lynx_vllm.plan import (
     REMOTE_DECODE,
@@ -33,7 +34,7 @@ torch = pytest.importorskip("torch")
 # -- settings ---------------------------------------------------------------------------------
 def test_config_defaults_and_overrides() -> None:
     c = ConnectorConfig.from_extra({}, producer=False)
-    assert (c.scheme, c.planes, c.port, c.bandwidth_gbps) == (Scheme.LYNX, (4, 4), 0, None)
+    assert (c.scheme, c.planes, c.port, c.bandwidth_gbps) == (Scheme.LYNX, "auto", 0, None)
     c = ConnectorConfig.from_extra({"port": 14600, "scheme": "INT8", "planes": "3,5", "bandwidth_gbps": 1},
                                    producer=True)
     assert (c.scheme, c.planes, c.port, c.bandwidth_gbps) == (Scheme.INT8, (3, 5), 14600, 1.0)
@@ -320,3 +321,56 @@ def test_bfloat16_conversions_are_torchs_exactly() -> None:
     assert np.array_equal(paged.to_float32(k), want.float().numpy())
     half = torch.from_numpy(x[:1, :5]).half()
     assert np.array_equal(paged.to_float32(half), half.float().numpy())
+
+
+# -- auto split and the forms prepared at save -------------------------------------------------
+def test_auto_is_the_default_split_and_resolves_per_link() -> None:
+    geometry = _info(layers=30).layers
+    # nothing known about the link: 4,4
+    assert resolve_split(Scheme.LYNX, "auto", geometry, 4096, None)[:2] == (Scheme.LYNX, (4, 4))
+    # a cache that crosses in well under three decode steps: no split, the pull is INT8, and it says why
+    scheme, _, why = resolve_split(Scheme.LYNX, "auto", geometry, 64, 100.0)
+    assert scheme is Scheme.INT8 and why is not None and why.startswith("int8 (no split)")
+    # a slow link: a split, and the reason names the transfer in decode steps
+    scheme, planes, why = resolve_split(Scheme.LYNX, "auto", geometry, 200_000, 0.1)
+    assert scheme is Scheme.LYNX and planes == (3, 5) and why is not None and "decode steps" in why
+    # a given split, or another scheme, is taken as it is
+    assert resolve_split(Scheme.LYNX, (2, 2, 4), geometry, 64, 100.0) == (Scheme.LYNX, (2, 2, 4), None)
+    assert resolve_split(Scheme.BF16, "auto", geometry, 64, 0.1)[0] is Scheme.BF16
+    assert ConnectorConfig.from_extra({"planes": "AUTO"}, producer=False).planes == "auto"
+
+
+def test_the_producer_prepares_what_its_consumers_are_configured_to_pull() -> None:
+    assert prepared_forms(Scheme.LYNX, "auto") == (
+        CodecConfig(Scheme.INT8), CodecConfig(Scheme.LYNX, planes=(4, 4)), CodecConfig(Scheme.LYNX, planes=(3, 5)))
+    assert prepared_forms(Scheme.LYNX, (2, 2, 4)) == (CodecConfig(Scheme.LYNX, planes=(2, 2, 4)),)
+    assert prepared_forms(Scheme.BF16, "auto") == (CodecConfig(Scheme.BF16),)
+
+
+def test_held_prefills_encode_each_layer_as_it_is_saved() -> None:
+    forms = prepared_forms(Scheme.LYNX, "auto")
+    held = HeldPrefills(_info(layers=3), prepare=forms, wait_s=0.1)
+    try:
+        assert isinstance(held, EncodedSource)
+        ids = list(range(40))
+        rng = np.random.default_rng(1)
+        held.begin(ids)
+        for i in range(3):
+            k = rng.standard_normal((2, len(ids) - 1, 4)).astype(np.float32)
+            held.save_layer(ids, i, k, k * 0.5)
+        held.finish(ids)
+        prefill = held.prefill(ids)
+        for form in forms:  # each form byte for byte what encoding the whole prefill gives
+            got = held.encoded(ids, form)
+            assert got is not None and got.config == form
+            want = encode_cache(prefill, _info(layers=3).layers, form)
+            for a, b in zip(got.layers, want.layers):
+                assert a.buffers.keys() == b.buffers.keys()
+                for p in a.buffers:
+                    assert np.array_equal(np.asarray(a.buffers[p]), np.asarray(b.buffers[p]))
+        # a form not prepared: None (the prefill node encodes it), and that ask counts no pull
+        assert held.encoded(ids, CodecConfig(Scheme.INT4)) is None
+        assert held.held_bytes == prefill.kv.keys.nbytes + prefill.kv.values.nbytes + sum(
+            e.nbytes for e in (held.encoded(ids, f) for f in forms) if e is not None)
+    finally:
+        held.close()
