@@ -18,6 +18,10 @@ arrival) for every scheme at a load, and the same shape stretched at every
 load (common random numbers, so p99-against-load curves are not noise between
 loads). Requests go to the decode nodes in turn (request ``i`` to node
 ``i % K``), and pick one of the ``P`` prompts at random (seeded).
+
+LYNX's split (``--planes``, default ``auto``): with the sink, ``auto`` is one
+choice per run (:func:`lynx_split`; every request is the same size), possibly
+no split, and then the LYNX phases run as INT8 (:func:`job_split`).
 """
 
 from __future__ import annotations
@@ -26,20 +30,22 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from lynx_bench.sweep_config import SCHEMES, LinkMode, check_writable_dir
-from lynx_decode.codec.config import ANCHOR_BITS, DEFAULT_ANCHOR_BITS, MAX_BITS, MIN_BITS, CodecConfig, Scheme
+from lynx_bench.sweep_config import DEFAULT_PLANES, SCHEMES, LinkMode, check_writable_dir, parse_planes_flag
+from lynx_decode.codec.config import ANCHOR_BITS, MAX_BITS, MIN_BITS, CodecConfig, Scheme
 from lynx_decode.codec.layout import LayerLayout
+from lynx_decode.split_choice import DEFAULT_STEP_S, SplitChoice, choose_split
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import ConfigError
 
 __all__ = [
-    "DecodeMode", "Status", "LoadConfig", "ModelShape", "request_bytes", "rate_for_load",
+    "DecodeMode", "Status", "LoadConfig", "ModelShape", "lynx_split", "split_label", "job_split",
+    "request_bytes", "rate_for_load",
     "load_for_rate", "Arrival", "poisson_arrivals", "prompt_set", "percentile", "RequestRow",
     "REQUEST_FIELDS", "request_row", "SummaryRow", "SUMMARY_FIELDS", "summarize", "peak_egress_gbps",
     "write_load_json", "read_load_json", "summary_table", "ratio_table",
@@ -73,7 +79,8 @@ class LoadConfig:
     is given. ``timeouts``: the nodes' timeouts; ``timeouts.stream_s`` (``--stream-timeout``)
     also bounds each request: one not finished that long after it was sent
     counts as ``timeout``. ``max_pending``: the prefill node's admission bound
-    (``lynx serve --max-pending``; ``None``: its default).
+    (``lynx serve --max-pending``; ``None``: its default). The LYNX split is
+    :attr:`split`: ``anchor_bits`` when given, else ``planes``.
     """
 
     schemes: tuple[str, ...] = SCHEMES
@@ -86,7 +93,12 @@ class LoadConfig:
     link: LinkMode = LinkMode.SHAPER
     decode: DecodeMode = DecodeMode.SINK
     prompts: int = 3
-    anchor_bits: int = DEFAULT_ANCHOR_BITS
+    #: the LYNX split (``--planes``): widths from the top bit down, or ``"auto"``: chosen for the
+    #: link and a request's size (sink: once per run, :func:`lynx_split`; model: by each decode
+    #: node per request, ``DecodeNode.run(planes="auto")``), possibly none: LYNX then runs as INT8
+    planes: tuple[int, ...] | Literal["auto"] = "auto"
+    #: ``--anchor-bits B``: the split ``B,8-B`` instead of ``planes`` (None: ``planes``)
+    anchor_bits: int | None = None
     new_tokens: int = 32
     max_pending: int | None = None
     #: the prefill node's within-lane policy (``lynx serve --lane-policy``; None: its default)
@@ -102,6 +114,14 @@ class LoadConfig:
     @property
     def request_timeout_s(self) -> float:
         return float(self.timeouts.stream_s)
+
+    @property
+    def split(self) -> tuple[int, ...] | Literal["auto"]:
+        """The LYNX split asked for: ``(anchor_bits, 8 - anchor_bits)`` when
+        ``anchor_bits`` is given, else ``planes`` (a tuple or ``"auto"``)."""
+        if self.anchor_bits is not None:
+            return (self.anchor_bits, 8 - self.anchor_bits)
+        return self.planes if self.planes == "auto" else tuple(self.planes)
 
     def validate(self, max_context: int | None = None) -> LoadConfig:
         """Raise :class:`ConfigError` naming the first bad field; returns self."""
@@ -136,8 +156,16 @@ class LoadConfig:
         if max_context is not None and self.context + self.new_tokens > max_context:
             raise ConfigError(f"--context: {self.context} + {self.new_tokens} new tokens exceeds the "
                               f"model's context window of {max_context} tokens")
-        if self.anchor_bits not in ANCHOR_BITS:
-            raise ConfigError(f"--anchor-bits: must be in {MIN_BITS}..{MAX_BITS}, got {self.anchor_bits}")
+        if self.anchor_bits is not None:
+            if self.planes != "auto":
+                raise ConfigError("give --planes or --anchor-bits, not both")
+            if self.anchor_bits not in ANCHOR_BITS:
+                raise ConfigError(f"--anchor-bits: must be in {MIN_BITS}..{MAX_BITS}, got {self.anchor_bits}")
+        elif isinstance(self.planes, str):
+            if self.planes != "auto":
+                raise ConfigError(f"--planes: expected plane widths like 4,4 or 2,2,4, or auto; got {self.planes!r}")
+        else:
+            parse_planes_flag([",".join(str(w) for w in self.planes)], "--planes")
         check_writable_dir(self.out, "--out")
         return self
 
@@ -161,16 +189,51 @@ class ModelShape:
 
 
 def request_bytes(shape: ModelShape, scheme: str, prompt_tokens: int,
-                  anchor_bits: int = DEFAULT_ANCHOR_BITS) -> tuple[int, int]:
+                  planes: tuple[int, ...] = DEFAULT_PLANES) -> tuple[int, int]:
     """``(anchor_lane_bytes, residual_lane_bytes)`` of the KV stream the prefill node
     sends for a prompt of ``prompt_tokens`` tokens (it caches ``prompt_tokens - 1``
     positions and sends all the ids as int32 on the anchor lane; see
-    :mod:`lynx_decode.kvstream`), encoded as the prefill node encodes ``scheme``."""
+    :mod:`lynx_decode.kvstream`), encoded as the prefill node encodes ``scheme``
+    (LYNX with the split ``planes``; the residual: every lane after the anchor's)."""
     s = Scheme(scheme)
-    codec = CodecConfig(scheme=s, bits=anchor_bits if s is Scheme.LYNX else CodecConfig().bits)
+    codec = CodecConfig(scheme=s, planes=tuple(planes)) if s is Scheme.LYNX else CodecConfig(scheme=s)
     layer = LayerLayout.build(codec, shape.kv_heads, prompt_tokens - 1, shape.head_dim)
     anchor = 4 * prompt_tokens + shape.layers * layer.plane_size(0)
     return anchor, shape.layers * sum(layer.plane_size(p) for p in range(1, layer.num_planes))
+
+
+# -- the LYNX split -------------------------------------------------------------------------------
+
+def lynx_split(config: LoadConfig, int8_bytes: int) -> SplitChoice:
+    """The split a sink run's LYNX requests ask for (``.planes``; None: no split, the
+    LYNX phases run as INT8): :attr:`LoadConfig.split` when fixed; with ``"auto"``
+    :func:`~lynx_decode.split_choice.choose_split` for one request's ``int8_bytes`` on
+    ``bandwidth_gbps`` at :data:`~lynx_decode.split_choice.DEFAULT_STEP_S` (a sink runs
+    no model, so no step is measured). Every request of a run is the same size: one
+    choice per run, its ``reason`` recorded in ``load.json``."""
+    split = config.split
+    if split != "auto":
+        return SplitChoice(split)
+    return choose_split(int8_bytes, config.bandwidth_gbps, DEFAULT_STEP_S)
+
+
+def split_label(planes: Sequence[int] | None) -> str:
+    """``(4, 4)`` -> ``"4,4"``; None (no split) -> ``"int8"``."""
+    return "int8" if planes is None else ",".join(str(w) for w in planes)
+
+
+def job_split(job: dict[str, Any]) -> tuple[Scheme, tuple[int, ...] | Literal["auto"]]:
+    """The scheme and the split a decode node asks for to run ``job`` (its ``scheme``
+    and ``planes``: a list of widths, ``"auto"``, the decode node chooses, or None).
+    A LYNX job with no split runs as INT8 (auto chose none; its row keeps the phase's
+    scheme); a job of another scheme carries its ``planes`` or the default split,
+    which only LYNX reads."""
+    scheme, planes = Scheme(job["scheme"]), job.get("planes")
+    if planes == "auto":
+        return scheme, "auto"
+    if planes is None:
+        return (Scheme.INT8 if scheme is Scheme.LYNX else scheme), DEFAULT_PLANES
+    return scheme, tuple(int(w) for w in planes)
 
 
 def rate_for_load(load: float, bandwidth_gbps: float, bytes_per_request: int) -> float:
@@ -229,7 +292,8 @@ class RequestRow:
     its decode node sent the request, on the shared wall clock. ``arrival_s``: when
     it was sent, from its phase's start. ``ttft_s``: until the decode node held
     everything its first token needs (sink: LYNX's anchor lane, other schemes the
-    whole cache; model: the first token); ``ttfct_s``: its first committed token
+    whole cache, and so is a LYNX request run as INT8; model: the first token);
+    ``ttfct_s``: its first committed token
     (sink: the whole cache). ``time_to_anchor_s`` / ``time_to_full_s``: the anchor
     lane / every byte landed. ``e2e_s``: all tokens (model; ``None`` for sink)."""
 
@@ -260,7 +324,8 @@ def request_row(scheme: str, load: float, decode_node: int, phase_start_unix: fl
     """The row of one request from its decode node's report (``RESULT`` line):
     ``request_id``, ``status``, ``sent_unix`` and, as far as they happened,
     ``anchor_unix`` / ``full_unix`` (wall-clock times the anchor lane and the whole
-    stream landed), ``bytes_anchor`` / ``bytes_residual``; for ``--decode model``
+    stream landed), ``bytes_anchor`` / ``bytes_residual``, ``scheme`` (the scheme it
+    asked for, ``int8`` for a LYNX job with no split; default ``scheme``); for ``--decode model``
     instead ``ttft_s``, ``ttfct_s``, ``e2e_s``, ``time_to_anchor_s`` and
     ``time_to_full_s``, already counted from the request."""
     status = Status(result["status"])
@@ -274,7 +339,7 @@ def request_row(scheme: str, load: float, decode_node: int, phase_start_unix: fl
     else:  # sink: what the first (committed) token would need
         anchor = _since(result.get("anchor_unix"), sent)
         full = _since(result.get("full_unix"), sent)
-        ttft = anchor if scheme == Scheme.LYNX.value else full
+        ttft = anchor if result.get("scheme", scheme) == Scheme.LYNX.value else full
         ttfct, e2e = full, None
     return RequestRow(scheme, load, str(result["request_id"]), decode_node, float(sent) - phase_start_unix,
                       ttft, ttfct, anchor, full, e2e, result.get("bytes_anchor"),
@@ -410,16 +475,20 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def summary_table(summary: Sequence[SummaryRow]) -> str:
-    """The summary as a fixed-width table, by load then scheme (in the given order)."""
-    header = (f"{'load':>5} {'scheme':<6} {'done':>9} {'p50_ttft':>9} {'p90_ttft':>9} {'p99_ttft':>9} "
+def summary_table(summary: Sequence[SummaryRow], names: Mapping[str, str] | None = None) -> str:
+    """The summary as a fixed-width table, by load then scheme (in the given order);
+    ``names``: what a scheme is called in it (e.g. ``{"lynx": "lynx int8"}``)."""
+    names = names or {}
+    shown = {s.scheme: names.get(s.scheme, s.scheme) for s in summary}
+    width = max([6, *map(len, shown.values())])
+    header = (f"{'load':>5} {'scheme':<{width}} {'done':>9} {'p50_ttft':>9} {'p90_ttft':>9} {'p99_ttft':>9} "
               f"{'p50_ttfct':>9} {'p99_ttfct':>9} {'p99_full':>9} {'link':>5}")
     lines = [header, "-" * len(header)]
     loads = sorted({s.load for s in summary})
     for load in loads:
         for s in (s for s in summary if s.load == load):
             lines.append(
-                f"{s.load:>5.2f} {s.scheme:<6} {f'{s.completed}/{s.requests}':>9} "
+                f"{s.load:>5.2f} {shown[s.scheme]:<{width}} {f'{s.completed}/{s.requests}':>9} "
                 f"{_fmt(s.p50_ttft_s, '9.3f')} {_fmt(s.p90_ttft_s, '9.3f')} {_fmt(s.p99_ttft_s, '9.3f')} "
                 f"{_fmt(s.p50_ttfct_s, '9.3f')} {_fmt(s.p99_ttfct_s, '9.3f')} {_fmt(s.p99_full_s, '9.3f')} "
                 f"{_fmt(s.link_utilization, '5.2f')}")

@@ -22,6 +22,10 @@ Every time counts from the moment a decode node sent its request
   into their pools and record when each request's anchors and its whole cache
   landed, without the model: the transport at load, on a small machine.
   ``--decode model`` (:mod:`lynx_bench.load_decode`): real decoding.
+- LYNX's split: ``--planes`` (or ``--anchor-bits B``), by default ``auto``:
+  with the sink chosen once per run here (:func:`lynx_bench.load.lynx_split`),
+  possibly no split, then the LYNX phases run as INT8 (the table says
+  ``lynx int8``); with ``--decode model`` each decode node chooses per request.
 
 Writes ``DIR/load.json`` (:mod:`lynx_bench.load`), ``DIR/ttft_cdf.png``,
 ``DIR/p99_vs_load.png`` and the nodes' logs in ``DIR/logs``; prints a summary
@@ -44,7 +48,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lynx_bench.load import (
     Arrival,
@@ -54,12 +58,14 @@ from lynx_bench.load import (
     RequestRow,
     Status,
     load_for_rate,
+    lynx_split,
     peak_egress_gbps,
     poisson_arrivals,
     rate_for_load,
     ratio_table,
     request_bytes,
     request_row,
+    split_label,
     summarize,
     summary_table,
     write_load_json,
@@ -67,12 +73,13 @@ from lynx_bench.load import (
 from lynx_bench.node_args import add_timeout_arguments, timeout_argv, timeouts
 from lynx_bench.processes import Child, ChildError
 from lynx_bench.progress import Progress, progress_bar
-from lynx_bench.sweep_config import SCHEMES, LinkMode, parse_floats
+from lynx_bench.sweep_config import DEFAULT_PLANES, SCHEMES, LinkMode, parse_floats, parse_planes_flag
+from lynx_decode.split_choice import DEFAULT_STEP_S, NO_SPLIT_STEPS, THREE_BIT_STEPS
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import ConfigError
 from lynx_transport.scheduler import LanePolicy
 
-__all__ = ["add_arguments", "config_from_args", "run", "run_load"]
+__all__ = ["add_arguments", "config_from_args", "lynx_planes", "scheme_names", "run", "run_load"]
 
 STARTUP_TIMEOUT_S = 300.0
 #: A phase's schedule starts this long after it is handed out, so every decode node has it.
@@ -91,6 +98,11 @@ PREFILL_NOTE = ("prefill compute stays out: every request picks one of a fixed s
 PHASES_NOTE = ("separate phases, one per (load, scheme), in that order; the schemes of one load share "
                "one seeded arrival schedule; a phase ends when each of its requests completed or failed "
                "(each bounded by the request timeout), then the next starts")
+#: The splits ``auto`` may choose (:func:`lynx_decode.split_choice.choose_split`); None: INT8.
+AUTO_SPLITS: tuple[tuple[int, ...] | None, ...] = (None, (4, 4), (3, 5))
+#: What the LYNX requests ask for: a split, None (INT8: auto chose none) or "auto" (the decode node chooses).
+Planes = tuple[int, ...] | Literal["auto"] | None
+
 CLOCK_NOTE = ("every time counts from the moment the decode node sent its request (queueing included), "
               "on the wall clock (time.time()) the nodes share")
 
@@ -117,7 +129,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, help=f"prompts in the fixed set (default {d.prompts})")
     parser.add_argument("--new-tokens", type=int,
                         help=f"tokens to generate with --decode model (default {d.new_tokens})")
-    parser.add_argument("--anchor-bits", type=int, help=f"anchor bits for lynx (default {d.anchor_bits})")
+    split = parser.add_mutually_exclusive_group()
+    split.add_argument("--planes", metavar="W,W[,W]|auto",
+                       help="the LYNX split: plane widths from the top bit down, summing to 8 (4,4, 3,5, "
+                            "2,2,4); auto (the default): with --decode sink chosen once per run for one "
+                            "request's INT8 bytes on --bandwidth and a decode step of "
+                            f"{DEFAULT_STEP_S * 1e3:.0f} ms (lynx_decode.split_choice): no split when they "
+                            f"cross the link in under {NO_SPLIT_STEPS:g} steps (the lynx phases then run as "
+                            f"INT8: 'lynx int8' in the table), 4,4 under {THREE_BIT_STEPS:g}, else 3,5; "
+                            "load.json's config says which (lynx_planes) and why (split_choice); with "
+                            "--decode model each decode node chooses per request, from the rate seen on its "
+                            "earlier streams and its measured decode step (each phase's planes in load.json)")
+    split.add_argument("--anchor-bits", type=int, metavar="B",
+                       help="the LYNX split B,8-B (instead of --planes)")
     parser.add_argument("--max-pending", type=int, metavar="N",
                         help="the prefill node's admission bound: requests past it get a busy reply "
                              "(lynx serve --max-pending; default its own)")
@@ -142,6 +166,9 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         changes["rates_rps"], changes["loads"] = parse_floats(args.rate, "--rate"), None
     elif args.load is not None:
         changes["loads"] = parse_floats(args.load, "--load")
+    if args.planes is not None:
+        text = args.planes.strip()
+        changes["planes"] = "auto" if text == "auto" else parse_planes_flag([text], "--planes")[0]
     for name in ("requests", "decode_nodes", "context", "prompts", "new_tokens", "anchor_bits",
                  "max_pending", "lane_policy", "hold_residual", "seed", "out"):
         if getattr(args, name) is not None:
@@ -235,14 +262,22 @@ def _python() -> list[str]:
     return [sys.executable]
 
 
-def _pool_bytes(config: LoadConfig, shape: ModelShape) -> int:
-    largest = max(sum(request_bytes(shape, s, config.context, config.anchor_bits))
-                  for s in config.schemes) + (1 << 20)  # + alignment slack
+def _sizes(shape: ModelShape, context: int, planes: tuple[int, ...] | None) -> dict[str, tuple[int, int]]:
+    """Every scheme's ``(anchor, residual)`` bytes per request, LYNX's with the split
+    ``planes`` (None: LYNX runs as INT8)."""
+    return {s: request_bytes(shape, "int8" if s == "lynx" and planes is None else s, context,
+                             planes or DEFAULT_PLANES) for s in SCHEMES}
+
+
+def _pool_bytes(config: LoadConfig, shape: ModelShape, planes: Planes) -> int:
+    splits = AUTO_SPLITS if planes == "auto" else (planes,)
+    largest = max(sum(_sizes(shape, config.context, p)[s]) for s in config.schemes
+                  for p in splits) + (1 << 20)  # + alignment slack
     return max(2 * largest, min(POOL_STREAMS * largest, MAX_POOL_BYTES))
 
 
 @contextlib.contextmanager
-def _start(config: LoadConfig, shape: ModelShape, logs: Path) -> Iterator[_Nodes]:
+def _start(config: LoadConfig, shape: ModelShape, logs: Path, pool_bytes: int) -> Iterator[_Nodes]:
     """Start the prefill node and the decode nodes (each in its namespace with ``--link
     netns``); stop every one of them, and take the link down, on exit."""
     link = None
@@ -276,10 +311,10 @@ def _start(config: LoadConfig, shape: ModelShape, logs: Path) -> Iterator[_Nodes
                       logs / "serve.log", env=serve_env)
         address = serve.expect("listening on", STARTUP_TIMEOUT_S)
         for i in range(config.decode_nodes):
-            argv = _decoder_argv(config, shape, address, "127.0.0.1")
+            argv = _decoder_argv(config, shape, address, "127.0.0.1", pool_bytes)
             if link is not None:  # the data must cross the veth: tcp on it (cma would bypass tc)
                 h = link.decode_hosts[i]
-                argv = [*_decoder_argv(config, shape, address, link.address(h)),
+                argv = [*_decoder_argv(config, shape, address, link.address(h), pool_bytes),
                         "--ucx-tls", "tcp", "--ucx-net-devices", link.device(h)]
             decoders.append(Child(f"decode node {i}",
                                   argv if link is None else link.exec_argv(link.decode_hosts[i], argv),
@@ -295,10 +330,11 @@ def _start(config: LoadConfig, shape: ModelShape, logs: Path) -> Iterator[_Nodes
             link.down()
 
 
-def _decoder_argv(config: LoadConfig, shape: ModelShape, address: str, listen_host: str) -> list[str]:
+def _decoder_argv(config: LoadConfig, shape: ModelShape, address: str, listen_host: str,
+                  pool_bytes: int) -> list[str]:
     common = ["--connect", address, "--listen-host", listen_host, "--context", str(config.context),
               "--prompts", str(config.prompts), "--seed", str(config.seed), "--vocab", str(shape.vocab),
-              "--pool-bytes", str(_pool_bytes(config, shape)), "--pool-wait", repr(config.request_timeout_s)]
+              "--pool-bytes", str(pool_bytes), "--pool-wait", repr(config.request_timeout_s)]
     if config.decode is DecodeMode.SINK:
         return [*_python(), "-m", "lynx_bench.load_sink", *common, *timeout_argv(config.timeouts)]
     return [*_python(), "-m", "lynx_bench.load_decode", *common, "--new-tokens", str(config.new_tokens),
@@ -308,44 +344,72 @@ def _decoder_argv(config: LoadConfig, shape: ModelShape, address: str, listen_ho
 # -- phases --------------------------------------------------------------------------------------
 
 def _job(rid: str, scheme: str, prompt: int, send_unix: float, config: LoadConfig,
-         bandwidth: float | None) -> dict[str, Any]:
+         bandwidth: float | None, planes: Planes) -> dict[str, Any]:
+    """One request for a decode node (:func:`lynx_bench.load.job_split` reads its split)."""
     return {"request_id": rid, "scheme": scheme, "prompt_id": prompt, "send_unix": send_unix,
-            "timeout_s": config.request_timeout_s, "anchor_bits": config.anchor_bits,
+            "timeout_s": config.request_timeout_s,
+            "planes": planes if planes is None or planes == "auto" else list(planes),
             "bandwidth_gbps": bandwidth, "new_tokens": config.new_tokens,
             "hold_residual": config.hold_residual}
 
 
 def _one(nodes: _Nodes, config: LoadConfig, rid: str, node: int, scheme: str, prompt: int,
-         bandwidth: float | None, bar: Progress | None = None) -> dict[str, Any]:
+         bandwidth: float | None, planes: Planes, bar: Progress | None = None) -> dict[str, Any]:
     """One request, alone (a warm-up: its time is not counted towards the bar's estimate)."""
-    nodes.send(node, [_job(rid, scheme, prompt, time.time(), config, bandwidth)])
+    nodes.send(node, [_job(rid, scheme, prompt, time.time(), config, bandwidth, planes)])
     return nodes.gather({rid}, time.monotonic() + config.request_timeout_s + GRACE_S, rid, bar,
                         timed=False)[rid]
 
 
-def _warm_up(nodes: _Nodes, config: LoadConfig, bandwidth: float | None, int8_bytes: int,
+def _ran(result: dict[str, Any], scheme: str) -> tuple[str, tuple[int, ...] | None]:
+    """The scheme and the LYNX split (None: not LYNX) a decode node reports it ran."""
+    ran = str(result.get("scheme") or scheme)
+    planes = result.get("planes")
+    return ran, (tuple(planes) if ran == "lynx" and planes else None)
+
+
+def _warm_up(nodes: _Nodes, config: LoadConfig, shape: ModelShape, bandwidth: float | None, planes: Planes,
              bar: Progress) -> list[dict[str, Any]]:
     """Every prompt once as INT8 (its prefill is then cached), every decode node and
-    every scheme at least once (connections made, code paths warm)."""
+    every scheme at least once (connections made, code paths warm). Each INT8 and
+    LYNX stream must carry the bytes the model's shape gives for what it ran."""
     plan = [(p % config.decode_nodes, "int8", p) for p in range(config.prompts)]
     plan += [(n, "int8", 0) for n in range(config.prompts, config.decode_nodes)]
     plan += [(i % config.decode_nodes, s, 0) for i, s in enumerate(config.schemes)]
     done = []
     for i, (node, scheme, prompt) in enumerate(plan):
-        out = _one(nodes, config, f"warmup-{i}", node, scheme, prompt, bandwidth, bar)
+        out = _one(nodes, config, f"warmup-{i}", node, scheme, prompt, bandwidth, planes, bar)
         if out["status"] != Status.COMPLETED.value:
             raise ChildError(f"warm-up request {i} ({scheme}, prompt {prompt}, decode node {node}) "
                              f"ended {out['status']}: {out.get('error')}")
         got = (out.get("bytes_anchor") or 0) + (out.get("bytes_residual") or 0)
-        if scheme == "int8" and got != int8_bytes:
-            raise ChildError(f"an INT8 stream carried {got} bytes; the model's shape says {int8_bytes}: "
-                             "the offered load would be wrong")
-        done.append({"node": node, "scheme": scheme, "prompt_id": prompt, "status": out["status"]})
+        ran, split = _ran(out, scheme)
+        if ran in ("int8", "lynx"):
+            want = sum(request_bytes(shape, ran, config.context, split or DEFAULT_PLANES))
+            if got != want:
+                what = "INT8" if split is None else f"LYNX {split_label(split)}"
+                raise ChildError(f"warm-up request {i}: its {what} stream carried {got} bytes; the model's "
+                                 f"shape says {want}: the offered load and the byte counts would be wrong")
+        done.append({"node": node, "scheme": scheme, "prompt_id": prompt, "status": out["status"],
+                     "planes": split_label(split) if scheme == "lynx" else None})
     return done
 
 
+def _planes_ran(results: dict[str, dict[str, Any]], scheme: str) -> dict[str, int] | None:
+    """How many of a LYNX phase's completed requests ran each split (``"int8"``: no
+    split); None for the other schemes."""
+    if scheme != "lynx":
+        return None
+    counts: dict[str, int] = {}
+    for r in results.values():
+        if r["status"] == Status.COMPLETED.value:
+            name = split_label(_ran(r, scheme)[1])
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def _phase(nodes: _Nodes, config: LoadConfig, number: int, scheme: str, load: float, rate: float,
-           arrivals: tuple[Arrival, ...], bandwidth: float | None,
+           arrivals: tuple[Arrival, ...], bandwidth: float | None, planes: Planes,
            bar: Progress) -> tuple[list[RequestRow], dict[str, Any]]:
     t_zero = time.time() + START_LEAD_S
     per_node: dict[int, list[dict[str, Any]]] = {}
@@ -354,7 +418,7 @@ def _phase(nodes: _Nodes, config: LoadConfig, number: int, scheme: str, load: fl
         rid = f"p{number}-{scheme}-{a.index}"
         node_of[rid] = a.decode_node
         per_node.setdefault(a.decode_node, []).append(
-            _job(rid, scheme, a.prompt_id, t_zero + a.arrival_s, config, bandwidth))
+            _job(rid, scheme, a.prompt_id, t_zero + a.arrival_s, config, bandwidth, planes))
     for node, jobs in per_node.items():
         nodes.send(node, jobs)
     deadline = time.monotonic() + START_LEAD_S + arrivals[-1].arrival_s + config.request_timeout_s + GRACE_S
@@ -368,11 +432,12 @@ def _phase(nodes: _Nodes, config: LoadConfig, number: int, scheme: str, load: fl
             "requests": len(rows), "duration_s": (max(ends) - t_zero) if ends else None,
             "max_send_lag_s": max(lags) if lags else None,
             "mean_send_lag_s": sum(lags) / len(lags) if lags else None,
-            "peak_egress_gbps": peak_egress_gbps(rows), "drained": False}
+            "peak_egress_gbps": peak_egress_gbps(rows), "planes": _planes_ran(results, scheme),
+            "drained": False}
     if any(r.status != Status.COMPLETED.value for r in rows):
         # requests the prefill node may still be working on must not spill into the next
         # phase: one more request, answered after what it queued before (best effort)
-        _one(nodes, config, f"drain-{number}", 0, "int8", 0, bandwidth)
+        _one(nodes, config, f"drain-{number}", 0, "int8", 0, bandwidth, planes)
         info["drained"] = True
     return rows, info
 
@@ -386,6 +451,37 @@ def _plan(config: LoadConfig, int8_bytes: int) -> list[tuple[float, float]]:
     return [(load_for_rate(r, config.bandwidth_gbps, int8_bytes), r) for r in config.rates_rps]
 
 
+def lynx_planes(config: LoadConfig, int8_bytes: int) -> tuple[Planes, str]:
+    """What a run's LYNX requests ask for (a split; None: no split, they run as INT8;
+    ``"auto"``: each decode node chooses, ``--decode model``) and why: ``load.json``'s
+    ``lynx_planes`` and ``split_choice``. ``int8_bytes``: one request's INT8 stream."""
+    split = config.split
+    if split != "auto":
+        flag = (f"--anchor-bits {config.anchor_bits}" if config.anchor_bits is not None
+                else f"--planes {split_label(split)}")
+        return split, f"lynx {split_label(split)}: asked for ({flag})"
+    if config.decode is DecodeMode.MODEL:
+        return "auto", ("--planes auto: chosen per request by each decode node (DecodeNode.run "
+                        "planes='auto', lynx_decode.split_choice) from the rate seen on its earlier streams "
+                        "and its measured decode step; each lynx phase's planes count the splits it ran")
+    choice = lynx_split(config, int8_bytes)
+    note = (f"--planes auto chose {choice.reason} (one request's INT8 stream at --bandwidth "
+            f"{config.bandwidth_gbps:g} Gbit/s; a sink runs no model: the step is assumed)")
+    if choice.planes is None:
+        note += "; the lynx phases run as INT8"
+    return choice.planes, note
+
+
+def scheme_names(phases: list[dict[str, Any]], planes: Planes) -> dict[str, str]:
+    """What the summary table and the plots call each scheme: LYNX with the splits its
+    phases' completed requests ran (``lynx 4,4``, ``lynx int8``, ``lynx 3,5+4,4``),
+    else with what its requests asked for."""
+    ran = sorted({name for p in phases if p.get("planes") for name in p["planes"]})
+    if not ran:
+        ran = ["auto" if planes == "auto" else split_label(planes)]
+    return {"lynx": "lynx " + "+".join(ran)}
+
+
 def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, command: str = "",
              ) -> tuple[dict[str, Any], list[RequestRow], list[dict[str, Any]]]:
     """Run every phase; returns the recorded config, the request rows and the phases."""
@@ -394,15 +490,23 @@ def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, co
     netns = config.link is LinkMode.NETNS
     # the egress is held to --bandwidth by tc (netns) or by `lynx serve --rate`, never per request
     per_request = None
-    sizes = {s: request_bytes(shape, s, config.context, config.anchor_bits) for s in SCHEMES}
-    int8_bytes = sum(sizes["int8"])
+    int8_bytes = sum(request_bytes(shape, "int8", config.context))
+    planes, split_note = lynx_planes(config, int8_bytes)
+    sizes: dict[str, Any] = {s: {"anchor": a, "residual": r} for s, (a, r)
+                             in _sizes(shape, config.context, None if planes == "auto" else planes).items()}
+    if planes == "auto":  # each decode node chooses: LYNX's bytes for every split it may choose
+        sizes["lynx"] = {split_label(p): dict(zip(("anchor", "residual"), _sizes(shape, config.context, p)["lynx"]))
+                         for p in AUTO_SPLITS}
+    pool_bytes = _pool_bytes(config, shape, planes)
     plan = _plan(config, int8_bytes)
     n_warm = config.prompts + max(0, config.decode_nodes - config.prompts) + len(config.schemes)
     bar = progress_bar(n_warm + len(plan) * len(config.schemes) * config.requests, disable=not progress, unit="req")
     recorded: dict[str, Any] = {
         "command": command, **config.to_json(), "started_unix": time.time(),
         "model": dataclasses.asdict(shape), "bytes_int8_per_request": int8_bytes,
-        "bytes_per_request": {s: {"anchor": a, "residual": r} for s, (a, r) in sizes.items()},
+        "bytes_per_request": sizes,
+        "lynx_planes": planes if planes is None or planes == "auto" else list(planes),
+        "split_choice": split_note,
         "points": [{"load": load, "rate_rps": rate} for load, rate in plan],
         "prefill": PREFILL_NOTE, "phases": PHASES_NOTE, "clock": CLOCK_NOTE,
         "arrivals": "open-loop Poisson, seeded: one sequence of exponential gaps scaled by 1/rate; "
@@ -411,22 +515,24 @@ def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, co
                    "(bench/link.py, one namespace per decode node on a bridge)" if netns else
                    f"lynx serve --rate {config.bandwidth_gbps:g}: one rate for all decode nodes"),
         "lane_policy": config.lane_policy or TransportConfig().lane_policy.value,
-        "decode_pool_bytes": _pool_bytes(config, shape),
+        "decode_pool_bytes": pool_bytes,
     }
     rows: list[RequestRow] = []
     phases: list[dict[str, Any]] = []
     try:
         bar.phase(f"starting the prefill node and {config.decode_nodes} decode nodes")
-        with _start(config, shape, logs) as nodes:
+        with _start(config, shape, logs, pool_bytes) as nodes:
             bar.phase(f"warm-up: {config.prompts} prefills of {config.context} tokens, every node and scheme")
-            recorded["warm_up"] = _warm_up(nodes, config, None, int8_bytes, bar)
+            recorded["warm_up"] = _warm_up(nodes, config, shape, None, planes, bar)
             number = 0
             for load, rate in plan:
                 arrivals = poisson_arrivals(rate, config.requests, config.seed,
                                             decode_nodes=config.decode_nodes, prompts=config.prompts)
                 for scheme in config.schemes:
-                    bar.phase(f"{scheme} load {load:.2f} ({rate:.2f} req/s)")
-                    got, info = _phase(nodes, config, number, scheme, load, rate, arrivals, per_request, bar)
+                    name = scheme_names([], planes).get(scheme, scheme)
+                    bar.phase(f"{name} load {load:.2f} ({rate:.2f} req/s)")
+                    got, info = _phase(nodes, config, number, scheme, load, rate, arrivals, per_request,
+                                       planes, bar)
                     rows += got
                     phases.append(info)
                     number += 1
@@ -471,17 +577,20 @@ def run(args: argparse.Namespace) -> int:
     json_path = write_load_json(config.out / "load.json", recorded, rows, summary, phases)
     from lynx_bench.load_plots import plot_p99_vs_load, plot_ttft_cdf  # noqa: PLC0415 - matplotlib
 
-    cdf_png = plot_ttft_cdf(rows, config.out / "ttft_cdf.png")
-    p99_png = plot_p99_vs_load(summary, config.out / "p99_vs_load.png")
+    names = scheme_names(phases, recorded["lynx_planes"])
+    cdf_png = plot_ttft_cdf(rows, config.out / "ttft_cdf.png", names)
+    p99_png = plot_p99_vs_load(summary, config.out / "p99_vs_load.png", names)
     if args.json:
         print(json_path.read_text())
     else:
-        print(summary_table(summary))
+        print(summary_table(summary, names))
         if "lynx" in config.schemes and len(config.schemes) > 1:
             print()
             print("p99 ratios (Lynx against the INT8 and INT4 baselines, same run):")
             print(ratio_table(summary))
         print()
+    if "lynx" in config.schemes and config.split == "auto":
+        print(f"lynx: {recorded['split_choice']}", file=sys.stderr if args.json else sys.stdout)
     for path in (json_path, cdf_png, p99_png):
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     fast = [p for p in phases if (p["peak_egress_gbps"] or 0) > OVER_RATE * config.bandwidth_gbps]

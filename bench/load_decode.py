@@ -8,7 +8,10 @@ its ``send_unix`` (open-loop: whatever happened to the earlier ones), and one
 ``RESULT {json}`` line per job with the run's times counted from its request
 (``DecodeNode.run``'s ``*_from_request_s`` metrics: queueing and prefill at the
 prefill node included): ``ttft_s``, ``ttfct_s``, ``e2e_s``,
-``time_to_anchor_s``, ``time_to_full_s``, plus ``sent_unix`` and the bytes.
+``time_to_anchor_s``, ``time_to_full_s``, plus ``sent_unix``, the bytes, and
+``scheme`` / ``planes`` / ``split_choice``: what ran (``planes`` None unless LYNX;
+a job's ``planes`` ``auto`` lets the node choose per request,
+``DecodeNode.run(planes="auto")``, possibly no split: then ``scheme`` is ``int8``).
 
 A job still running ``timeout_s`` after it started is answered ``timeout`` at
 once; its thread ends within the node's own timeouts and its late result is
@@ -27,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from lynx_bench.load import Status, prompt_set
+from lynx_bench.load import Status, job_split, prompt_set
 from lynx_bench.load_sink import Emitter, transport_config
 from lynx_bench.node_args import (
     add_model_arguments,
@@ -66,6 +69,8 @@ def _result(job: dict[str, Any], sent: float, metrics: dict[str, Any]) -> dict[s
             "time_to_anchor_s": from_request("transfer_anchor_s"),
             "time_to_full_s": from_request("transfer_residual_s" if residual else "transfer_anchor_s"),
             "bytes_anchor": metrics.get("bytes_anchor"), "bytes_residual": metrics.get("bytes_residual"),
+            "scheme": metrics.get("scheme", job["scheme"]), "planes": metrics.get("planes"),
+            "split_choice": metrics.get("split_choice"),
             "queue_s": queue_s, "acceptance_rate": metrics.get("acceptance_rate"), "error": None}
 
 
@@ -132,15 +137,15 @@ class _Worker:
                                    "sent_unix": self._sent.get(rid), "error": "not finished in time"})
 
     def _run(self, job: dict[str, Any]) -> None:
-        from lynx_decode.codec.config import Scheme  # noqa: PLC0415 - loaded with the model
-        from lynx_decode.errors import ServerBusyError  # noqa: PLC0415
+        from lynx_decode.errors import ServerBusyError  # noqa: PLC0415 - loaded with the model
 
         rid = str(job["request_id"])
         sent = self._sent[rid] = time.time()
+        scheme, planes = job_split(job)  # planes "auto": the node chooses for the link and the prompt
         try:
             result = self._node.run(self._server, self._prompts[int(job["prompt_id"])],
-                                    scheme=Scheme(job["scheme"]), max_new_tokens=int(job["new_tokens"]),
-                                    anchor_bits=int(job["anchor_bits"]), bandwidth_gbps=job["bandwidth_gbps"])
+                                    scheme=scheme, max_new_tokens=int(job["new_tokens"]),
+                                    planes=planes, bandwidth_gbps=job["bandwidth_gbps"])
         except ServerBusyError as exc:
             self._answer(rid, {"request_id": rid, "status": Status.BUSY.value, "sent_unix": sent,
                                "scheduled_unix": job["send_unix"], "error": str(exc)})

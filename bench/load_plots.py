@@ -1,10 +1,12 @@
 """``lynx load``'s plots: the CDF of ``ttft_s`` per scheme at each load, and p99
 ``ttft_s`` (solid) and p99 full-cache time (dashed) against offered load.
-matplotlib is imported lazily with the Agg backend."""
+``names``: what the legends call a scheme (``load_cli.scheme_names``: LYNX with
+the split it ran, ``lynx int8`` when auto chose none). matplotlib is imported
+lazily with the Agg backend."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lynx_bench.load import RequestRow, Status, SummaryRow
@@ -26,10 +28,11 @@ def _ordered(schemes: set[str]) -> list[str]:
     return [s for s in SCHEME_ORDER if s in schemes] + sorted(schemes - set(SCHEME_ORDER))
 
 
-def plot_ttft_cdf(rows: Sequence[RequestRow], path: Path) -> Path:
+def plot_ttft_cdf(rows: Sequence[RequestRow], path: Path, names: Mapping[str, str] | None = None) -> Path:
     """One panel per load: the empirical CDF of the completed requests' ``ttft_s``, one
     line per scheme (log time axis)."""
     plt = _pyplot()
+    names = names or {}
     loads = sorted({r.load for r in rows})
     fig, axes = plt.subplots(1, max(1, len(loads)), figsize=(5.5 * max(1, len(loads)), 4.2),
                              squeeze=False, sharey=True)
@@ -39,7 +42,7 @@ def plot_ttft_cdf(rows: Sequence[RequestRow], path: Path) -> Path:
                         and r.status == Status.COMPLETED.value and r.ttft_s is not None)
             if xs:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                ax.step(xs, ys, where="post", label=f"{scheme} ({len(xs)})")
+                ax.step(xs, ys, where="post", label=f"{names.get(scheme, scheme)} ({len(xs)})")
         ax.set_xscale("log")
         ax.set_xlabel("ttft_s from the request (s)")
         ax.set_title(f"offered load {load:.2f}")
@@ -52,19 +55,20 @@ def plot_ttft_cdf(rows: Sequence[RequestRow], path: Path) -> Path:
     return path
 
 
-def plot_p99_vs_load(summary: Sequence[SummaryRow], path: Path) -> Path:
+def plot_p99_vs_load(summary: Sequence[SummaryRow], path: Path, names: Mapping[str, str] | None = None) -> Path:
     """p99 ``ttft_s`` (solid) and p99 time to the full cache (dashed) per scheme against load."""
     plt = _pyplot()
+    names = names or {}
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for i, scheme in enumerate(_ordered({s.scheme for s in summary})):
         points = sorted((s.load, s.p99_ttft_s, s.p99_full_s) for s in summary if s.scheme == scheme)
-        color = f"C{i}"
+        color, name = f"C{i}", names.get(scheme, scheme)
         ttft = [(x, y) for x, y, _ in points if y is not None]
         full = [(x, z) for x, _, z in points if z is not None]
         if ttft:
-            ax.plot(*zip(*ttft), marker="o", color=color, label=f"{scheme} p99 ttft_s")
+            ax.plot(*zip(*ttft), marker="o", color=color, label=f"{name} p99 ttft_s")
         if full and scheme == "lynx":  # the other schemes' full time is their ttft
-            ax.plot(*zip(*full), marker="s", linestyle="--", color=color, label=f"{scheme} p99 full cache")
+            ax.plot(*zip(*full), marker="s", linestyle="--", color=color, label=f"{name} p99 full cache")
     ax.set_yscale("log")
     ax.set_xlabel("offered load (fraction of the link, INT8 bytes)")
     ax.set_ylabel("p99 from the request (s)")

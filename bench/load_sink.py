@@ -9,13 +9,17 @@ Started by :mod:`lynx_bench.load_cli`, one process per decode node. It listens
 (``lynx_transport.seam.UCX.listen``) for the prefill node's replies, connects
 once to the prefill node to send its requests, prints ``READY {json}``, then
 reads its schedule from stdin: JSON lines ``{"jobs": [{"request_id", "scheme",
-"prompt_id", "send_unix", "timeout_s", "anchor_bits", "bandwidth_gbps"}, ...]}``,
-``send_unix`` an absolute wall-clock time (``time.time()``; the nodes share the
-host), so arrivals are open-loop: a request is sent at its time whatever
-happened to the earlier ones. It answers one ``RESULT {json}`` line per job
-(:func:`lynx_bench.load.request_row` reads it): ``request_id``, ``status``
-(:class:`~lynx_bench.load.Status`), ``sent_unix``, ``scheduled_unix``,
-``anchor_unix``, ``full_unix``, ``bytes_anchor``, ``bytes_residual``, ``error``.
+"prompt_id", "send_unix", "timeout_s", "planes", "bandwidth_gbps", "hold_residual"},
+...]}``, ``send_unix`` an absolute wall-clock time (``time.time()``; the nodes share
+the host), so arrivals are open-loop: a request is sent at its time whatever
+happened to the earlier ones. ``planes``: the LYNX split, or None: a LYNX job then
+asks for INT8 (``--planes auto`` chose no split; :func:`lynx_bench.load.job_split`),
+never ``auto`` (the sink runs no model; ``lynx load`` chose). It answers one
+``RESULT {json}`` line per job (:func:`lynx_bench.load.request_row` reads it):
+``request_id``, ``status`` (:class:`~lynx_bench.load.Status`), ``scheme`` and
+``planes`` (what it asked for; ``planes`` None unless LYNX), ``sent_unix``,
+``scheduled_unix``, ``anchor_unix``, ``full_unix``, ``bytes_anchor``,
+``bytes_residual``, ``error``.
 EOF on stdin ends it (streams still open are failed by closing the listener).
 
 Threads: the main thread reads stdin; one scheduler thread (``load-sink``)
@@ -41,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from lynx_bench.load import Status, prompt_set
+from lynx_bench.load import Status, job_split, prompt_set
 from lynx_bench.node_args import add_timeout_arguments, add_ucx_arguments, host_port, timeouts, ucx_settings
 from lynx_decode.codec.config import Scheme
 from lynx_decode.kvstream import KVHeader
@@ -78,6 +82,8 @@ class _Request:
     job: dict[str, Any]
     request_id: str
     scheduled_unix: float
+    scheme: Scheme
+    planes: tuple[int, ...]
     sent_unix: float | None = None
     request_stream: SendStream | None = None
     stream: ReceiveStream | None = None
@@ -88,7 +94,9 @@ class _Request:
     done: bool = False
 
     def result(self, status: Status, error: str | None) -> dict[str, Any]:
-        return {"request_id": self.request_id, "status": status.value, "sent_unix": self.sent_unix,
+        return {"request_id": self.request_id, "status": status.value, "scheme": self.scheme.value,
+                "planes": list(self.planes) if self.scheme is Scheme.LYNX else None,
+                "sent_unix": self.sent_unix,
                 "scheduled_unix": self.scheduled_unix, "anchor_unix": self.anchor_unix,
                 "full_unix": self.full_unix, "bytes_anchor": self.bytes_anchor,
                 "bytes_residual": self.bytes_residual, "error": error}
@@ -143,13 +151,17 @@ class Sink:
 
     # -- jobs ------------------------------------------------------------------------------------
     def submit(self, jobs: list[dict[str, Any]]) -> None:
-        """Schedule ``jobs`` (see the module docstring); each is answered by one RESULT."""
+        """Schedule ``jobs`` (see the module docstring); each is answered by one RESULT.
+        ``ValueError`` for a request id scheduled twice or a job whose split is ``auto``."""
         with self._wake:
             for job in jobs:
                 rid = str(job["request_id"])
                 if rid in self._requests:
                     raise ValueError(f"request id {rid!r} was scheduled twice")
-                req = _Request(job, rid, float(job["send_unix"]))
+                scheme, planes = job_split(job)
+                if planes == "auto":
+                    raise ValueError(f"request {rid!r}: a sink cannot choose a split (planes auto)")
+                req = _Request(job, rid, float(job["send_unix"]), scheme, planes)
                 self._requests[rid] = req
                 self._seq += 1
                 heapq.heappush(self._sends, (req.scheduled_unix, self._seq, rid))
@@ -174,11 +186,10 @@ class Sink:
 
     def _send(self, req: _Request) -> None:
         job = req.job
-        scheme = Scheme(job["scheme"])
         # as a decode node does: a LYNX residual held until it is wanted (here: at once when
         # every anchor is in, a first step that takes no time), unless the job says not to
-        hold = bool(job.get("hold_residual", False)) and scheme is Scheme.LYNX
-        request = KVRequest(req.request_id, scheme, (int(job["anchor_bits"]), 8 - int(job["anchor_bits"])), "ids",
+        hold = bool(job.get("hold_residual", False)) and req.scheme is Scheme.LYNX
+        request = KVRequest(req.request_id, req.scheme, req.planes, "ids",
                             self.address, job.get("bandwidth_gbps"), hold_residual=hold)
         payload = self._prompts[int(job["prompt_id"])]
         with self._lock:
@@ -294,9 +305,10 @@ class Sink:
             req = self._by_stream.get(stream.stream_id)
             if req is not None and req.anchor_unix is None:
                 req.anchor_unix = now
-        if req is not None and req.job.get("hold_residual") and int(Lane.RESIDUAL) in stream.manifest.lanes:
-            try:  # the anchors are in: ask for the residual (a no-op when it was not held)
-                stream.release_lane(Lane.RESIDUAL, self._timeouts.stream_s)
+        if req is not None and req.job.get("hold_residual"):
+            try:  # the anchors are in: ask for the residual, every lane after the anchor's
+                for held in sorted(set(stream.manifest.lanes) - {int(Lane.ANCHOR)}):
+                    stream.release_lane(held, self._timeouts.stream_s)  # a no-op when not held
             except TransportError as exc:
                 log.warning("could not release the residual of stream %d: %s", stream.stream_id, exc)
 

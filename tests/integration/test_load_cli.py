@@ -27,9 +27,10 @@ def load_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     timing check, so a run that selects both does the load once)."""
     link = request.param
     out = tmp_path_factory.mktemp(f"load-{link}") / "load"
+    # --planes 4,4: at 512 tokens on 1 Gbit/s the default, auto, would choose no split (INT8)
     proc = _lynx("load", "--decode", "sink", "--schemes", "int8,lynx", "--bandwidth", "1",
                  "--context", "512", "--decode-nodes", "2", "--load", "0.5", "--requests", "8",
-                 "--link", link, "--out", str(out), "--no-progress", timeout=300)
+                 "--planes", "4,4", "--link", link, "--out", str(out), "--no-progress", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return link, out, proc
 
@@ -45,6 +46,7 @@ def test_short_load_run_completes_every_request_and_lynx_anchors_come_first(
     assert "load" in config["command"] and config["seed"] == 0
     assert config["decode_nodes"] == 2 and config["context"] == 512 and config["loads"] == [0.5]
     assert "prefill" in config and "cached" in config["prefill"]
+    assert config["planes"] == config["lynx_planes"] == [4, 4]
     rows = payload["requests"]
     assert len(rows) == 2 * 8
     assert all(tuple(r) == REQUEST_FIELDS for r in rows)
@@ -74,6 +76,7 @@ def test_short_load_run_completes_every_request_and_lynx_anchors_come_first(
         assert 0 < s["p50_ttft_s"] <= s["p90_ttft_s"] <= s["p99_ttft_s"]
         assert 0 < s["link_utilization"] < 1.5
     assert len(payload["phases"]) == 2
+    assert [p["planes"] for p in payload["phases"]] == [None, {"4,4": 8}]
     # one rate for the prefill node's egress, all decode nodes together
     assert all(p["peak_egress_gbps"] is None or p["peak_egress_gbps"] < 1.25 for p in payload["phases"])
     assert "more than --bandwidth" not in proc.stderr
@@ -102,6 +105,7 @@ def test_lynxs_median_ttft_beats_int8s_under_load(load_run: tuple[str, Path, sub
     (["--load", "0.5,-1"], "--load: -1 is not a positive"),
     (["--context", "100000"], "context window"),
     (["--requests", "0"], "--requests"),
+    (["--planes", "3,4"], "--planes: planes 3,4 sum to 7 bits"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path: Path, args: list[str], message: str) -> None:
     proc = _lynx("load", "--out", str(tmp_path / "o"), *args, timeout=120)
@@ -112,5 +116,11 @@ def test_bad_arguments_fail_before_any_work(tmp_path: Path, args: list[str], mes
 
 def test_load_and_rate_are_exclusive(tmp_path: Path) -> None:
     proc = _lynx("load", "--load", "0.5", "--rate", "2", "--out", str(tmp_path / "o"), timeout=120)
+    assert proc.returncode == 2
+    assert "not allowed with argument" in proc.stderr
+
+
+def test_planes_and_anchor_bits_are_exclusive(tmp_path: Path) -> None:
+    proc = _lynx("load", "--planes", "4,4", "--anchor-bits", "3", "--out", str(tmp_path / "o"), timeout=120)
     assert proc.returncode == 2
     assert "not allowed with argument" in proc.stderr

@@ -18,7 +18,9 @@ from lynx_bench.load import (
     ModelShape,
     RequestRow,
     Status,
+    job_split,
     load_for_rate,
+    lynx_split,
     peak_egress_gbps,
     percentile,
     poisson_arrivals,
@@ -28,6 +30,7 @@ from lynx_bench.load import (
     read_load_json,
     request_bytes,
     request_row,
+    split_label,
     summarize,
     summary_table,
     write_load_json,
@@ -105,6 +108,21 @@ def test_request_bytes_equal_the_kv_streams_regions(scheme: str) -> None:
     assert (residual > 0) == (s is Scheme.LYNX)
 
 
+@pytest.mark.parametrize("planes", [(3, 5), (2, 2, 4)])
+def test_request_bytes_of_a_split_equal_its_kv_streams_regions(planes: tuple[int, ...]) -> None:
+    tokens = 512
+    layer = LayerLayout.build(CodecConfig(scheme=Scheme.LYNX, planes=planes), SMOLLM2.kv_heads, tokens - 1,
+                              SMOLLM2.head_dim)
+    header = KVHeader("r", "m", Scheme.LYNX, tokens, 0.0, CacheLayout.of([layer] * SMOLLM2.layers))
+    lanes: dict[int, int] = {}
+    for _name, nbytes, lane in header.regions():
+        lanes[lane] = lanes.get(lane, 0) + nbytes
+    anchor, residual = request_bytes(SMOLLM2, "lynx", tokens, planes)
+    assert (anchor, residual) == (lanes[0], sum(n for lane, n in lanes.items() if lane > 0))
+    assert len(lanes) == len(planes)
+    assert anchor < request_bytes(SMOLLM2, "lynx", tokens)[0]  # fewer anchor bits than 4,4
+
+
 def test_lynx_carries_the_int8_bytes_split_in_two() -> None:
     int8 = request_bytes(SMOLLM2, "int8", 4096)
     lynx = request_bytes(SMOLLM2, "lynx", 4096)
@@ -160,6 +178,16 @@ def test_request_row_sink_lynx_ttft_is_the_anchor_lane() -> None:
     assert row.ttft_s == pytest.approx(0.25) and row.time_to_anchor_s == pytest.approx(0.25)
     assert row.ttfct_s == pytest.approx(0.5) and row.time_to_full_s == pytest.approx(0.5)
     assert row.e2e_s is None and row.decode_node == 2 and row.status == "completed"
+
+
+def test_request_row_of_a_lynx_request_run_as_int8_waits_for_the_whole_cache() -> None:
+    # --planes auto chose no split: the sink asked for INT8; the row keeps the phase's scheme
+    result = {**_sink_result("a", 1000.0, 0.4, 0.41, nbytes=(1000, 0)), "scheme": "int8", "planes": None}
+    row = request_row("lynx", 0.8, 0, 1000.0, result)
+    assert row.scheme == "lynx"
+    assert row.ttft_s == pytest.approx(0.41) == row.ttfct_s == row.time_to_full_s
+    split = {**_sink_result("b", 1000.0, 0.2, 0.41), "scheme": "lynx", "planes": [4, 4]}
+    assert request_row("lynx", 0.8, 0, 1000.0, split).ttft_s == pytest.approx(0.2)
 
 
 def test_request_row_sink_int8_ttft_is_the_whole_cache() -> None:
@@ -235,6 +263,9 @@ def test_tables_show_every_phase() -> None:
     summary = summarize(_rows(), 1.0)
     text = summary_table(summary)
     assert "p99_ttft" in text and "lynx" in text and "int8" in text and "9/10" in text
+    named = summary_table(summary, {"lynx": "lynx int8"}).splitlines()
+    assert [line.split()[1:3] for line in named[2:]] == [["lynx", "int8"], ["int8", "4/5"]]
+    assert len({len(line) for line in named}) == 1  # the scheme column widened to the name
     ratios = ratio_table(summary)
     assert "0.80" in ratios and "-" in ratios  # no int4 in this run
 
@@ -301,6 +332,57 @@ def test_default_config_is_valid(tmp_path: Path) -> None:
     json.dumps(d)
 
 
+def test_the_default_split_is_auto(tmp_path: Path) -> None:
+    cfg = LoadConfig(out=tmp_path)
+    assert cfg.planes == cfg.split == "auto" and cfg.anchor_bits is None
+    assert cfg.to_json()["planes"] == "auto"
+    assert LoadConfig(out=tmp_path, anchor_bits=3).validate().split == (3, 5)
+    assert LoadConfig(out=tmp_path, planes=(2, 2, 4)).validate().split == (2, 2, 4)
+    assert json.loads(json.dumps(LoadConfig(planes=(3, 5)).to_json()))["planes"] == [3, 5]
+
+
+def _int8_bytes(context: int) -> int:
+    return sum(request_bytes(SMOLLM2, "int8", context))
+
+
+def test_auto_at_a_small_context_on_a_fast_link_is_no_split() -> None:
+    # 512 tokens, ~6 MB at INT8: 5 ms at 10 Gbit/s, under 3 steps of 100 ms
+    choice = lynx_split(LoadConfig(context=512, bandwidth_gbps=10.0), _int8_bytes(512))
+    assert choice.planes is None
+    assert choice.reason.startswith("int8 (no split): ")
+    assert split_label(choice.planes) == "int8"
+
+
+@pytest.mark.parametrize(("context", "gbps", "planes"), [
+    (4096, 1.0, (4, 4)),    # ~50 MB at INT8: 0.40 s on the link, 4 steps of 100 ms
+    (8000, 1.0, (4, 4)),    # ~98 MB: 7.8 steps
+    (4096, 0.25, (3, 5)),   # 16 steps
+    (8000, 0.5, (3, 5)),    # 15.7 steps
+])
+def test_auto_on_a_big_cache_or_a_slow_link_splits(context: int, gbps: float, planes: tuple[int, ...]) -> None:
+    choice = lynx_split(LoadConfig(context=context, bandwidth_gbps=gbps), _int8_bytes(context))
+    assert choice.planes == planes
+    assert choice.transfer_s == pytest.approx(_int8_bytes(context) * 8 / (gbps * 1e9))
+    assert choice.reason.startswith(f"lynx {split_label(planes)}: ")
+
+
+def test_a_fixed_split_is_not_chosen() -> None:
+    cfg = LoadConfig(context=512, bandwidth_gbps=10.0, planes=(4, 4))
+    assert lynx_split(cfg, _int8_bytes(512)).planes == (4, 4)  # auto would choose none here
+    assert lynx_split(LoadConfig(anchor_bits=3), _int8_bytes(4096)).planes == (3, 5)
+
+
+@pytest.mark.parametrize(("job", "want"), [
+    ({"scheme": "lynx", "planes": [3, 5]}, (Scheme.LYNX, (3, 5))),
+    ({"scheme": "lynx", "planes": None}, (Scheme.INT8, (4, 4))),  # auto chose no split
+    ({"scheme": "lynx", "planes": "auto"}, (Scheme.LYNX, "auto")),  # the decode node chooses
+    ({"scheme": "int4", "planes": None}, (Scheme.INT4, (4, 4))),
+    ({"scheme": "int8", "planes": [2, 2, 4]}, (Scheme.INT8, (2, 2, 4))),
+])
+def test_the_split_a_job_asks_for(job: dict, want: tuple) -> None:
+    assert job_split(job) == want
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"schemes": ("lynx", "fp8")}, "unknown scheme 'fp8'"),
     ({"schemes": ("lynx", "lynx")}, "listed twice"),
@@ -316,6 +398,11 @@ def test_default_config_is_valid(tmp_path: Path) -> None:
     ({"context": 8190}, "context window"),
     ({"anchor_bits": 8}, "--anchor-bits"),
     ({"max_pending": 0}, "--max-pending"),
+    ({"planes": (3, 4)}, "--planes: planes 3,4 sum to 7 bits"),
+    ({"planes": (7, 1)}, "--planes: planes 7,1: the anchor"),
+    ({"planes": (8,)}, "--planes: planes 8: a split needs at least 2 planes"),
+    ({"planes": "4,4"}, "--planes: expected plane widths"),
+    ({"planes": (4, 4), "anchor_bits": 3}, "give --planes or --anchor-bits, not both"),
 ])
 def test_bad_config_names_the_flag(tmp_path: Path, changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
