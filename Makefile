@@ -18,7 +18,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.lynx-installed
 
-.PHONY: install test test-timing lint demo bench headline soak check-kernels clean vllm-env vllm-demo
+.PHONY: install test test-timing lint demo bench headline soak check-kernels clean vllm-env vllm-demo vllm-busy
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ vllm-env: $(VLLM_STAMP)
 # prompt, 1 Gbit/s; prints a table and writes vllm-demo-out/result.json.
 vllm-demo: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m lynx_bench.vllm_demo --out vllm-demo-out
+
+# vllm serve on a busy box: producer, consumer and proxy with two CPU hogs beside them (marked slow)
+vllm-busy: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m pytest -m slow tests/integration/test_vllm_serve_busy.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
