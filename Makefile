@@ -48,6 +48,13 @@ vllm-env: $(VLLM_STAMP)
 vllm-demo: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m lynx_bench.vllm_demo --out vllm-demo-out
 
+# vLLM's own serving benchmark (vllm bench serve) against each P/D configuration: none, lynx-bf16,
+# lynx-int8, lynx-lynx, nixl; 2048-token prompts, 20 requests each, rate 0.7 x the producer's
+# prefill throughput; writes vllm-bench-out/summary.json, a table and a plot.
+.PHONY: vllm-bench
+vllm-bench: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m lynx_bench.vllm_bench --out vllm-bench-out
+
 # vllm serve on a busy box: producer, consumer and proxy with two CPU hogs beside them (marked slow)
 vllm-busy: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -m slow tests/integration/test_vllm_serve_busy.py
@@ -85,4 +92,4 @@ check-kernels:
 	bash kernels/check_nvcc.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info demo-out headline-out vllm-demo-out bench-results.json
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info demo-out headline-out vllm-demo-out vllm-bench-out bench-results.json

@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 
+from lynx_bench.vllm_bench import Server  # one server process, as the benchmark runs it
 from lynx_bench.vllm_driver import free_port, numba_cache_env
 from tests import _tiny_models
 
@@ -34,45 +32,6 @@ TEXTS = {
     "stream": "A producer holds the prompt's cache; a consumer pulls it plane by plane over UCX. " * 6,
     "plain": "The proxy runs a one-token prefill, then the real request with the cache's address. " * 6,
 }
-
-
-class Server:
-    """One server process (a session of its own: every ending ends all of its processes)."""
-
-    def __init__(self, name: str, argv: list[str], port: int, log: Path, env: dict[str, str]) -> None:
-        self.name, self.port, self.log = name, port, log
-        self._out: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def ready(self) -> bool:
-        """Whether ``/health`` answers 200 (a probe); raises with its log if the process died."""
-        if self.proc.poll() is not None:
-            raise AssertionError(f"{self.name} exited with {self.proc.returncode}; its log ({self.log}):\n"
-                                 f"{self.tail()}")
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        """SIGTERM to the session, up to 20 s to end, then SIGKILL to whatever of it is left."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(20.0)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # vLLM's engine core, if it outlived the server
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10.0)
-        self._out.close()
 
 
 def server_env(python: Path) -> dict[str, str]:

@@ -1,0 +1,188 @@
+"""``make vllm-bench``'s pure parts (:mod:`lynx_bench.vllm_bench_summary`): the flags, the rate rule
+and ``summary.json``'s rows from a saved ``vllm bench serve`` result (a hand-written fixture in the
+shape of a real run's ``--save-result --save-detailed`` JSON), the proxy's and the consumer's
+records. No vLLM here: Lynx's main environment runs these."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lynx_bench.vllm_bench_summary import (
+    BenchConfig,
+    Connector,
+    auto_rate,
+    consumer_ttfts,
+    failed_row,
+    fill_equal_to_int8,
+    parse_configs,
+    parse_links,
+    parse_rate,
+    percentile,
+    rate_rule,
+    run_row,
+    table,
+    ttft_breakdown,
+)
+
+FIXTURE = Path(__file__).parent / "data" / "vllm_bench_result.json"
+ROW_KEYS = {"connector", "scheme", "load", "link_gbps", "rate", "requests", "completed", "failed", "ttft_ms",
+            "tpot_ms", "itl_ms", "e2el_ms", "consumer_ttft_ms", "equal_to_int8"}
+INT8 = BenchConfig("lynx-int8", Connector.LYNX, "int8", "sync")
+LYNX = BenchConfig("lynx-lynx", Connector.LYNX, "lynx", "sync")
+
+
+def result() -> dict[str, Any]:
+    return dict(json.loads(FIXTURE.read_text()))
+
+
+def proxied(rid: str, sent: float, first: float, *, error: str | None = None) -> dict[str, Any]:
+    return {"request_id": rid, "prefill_sent_at": sent - 1.2, "prefill_answered_at": sent, "decode_sent_at": sent,
+            "decode_first_byte_at": first, "error": error}
+
+
+# -- the flags --------------------------------------------------------------------------------
+def test_configs_parse_in_order_into_connector_scheme_and_load() -> None:
+    configs = parse_configs("none, lynx-int8,lynx-lynx-async,nixl")
+    assert [c.name for c in configs] == ["none", "lynx-int8", "lynx-lynx-async", "nixl"]
+    assert configs[0] == BenchConfig("none", Connector.NONE)
+    assert configs[1] == INT8
+    assert configs[2].load == "async" and configs[2].backend == (Connector.LYNX, "async")
+    assert configs[3].connector is Connector.NIXL and configs[3].scheme is None
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("none,lynx-fp4", "unknown configuration 'lynx-fp4'"),
+    ("nixl-int8", "unknown configuration 'nixl-int8'"),
+    ("lynx-int8-fast", "unknown configuration"),
+    ("none,none", "names none more than once"),
+    (" , ", "at least one configuration"),
+])
+def test_bad_configs_say_what_is_wrong_and_what_is_allowed(text: str, says: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=says) as caught:
+        parse_configs(text)
+    if "unknown" in says:
+        assert "none, nixl and lynx-<scheme>" in str(caught.value)
+
+
+def test_links_are_unshaped_or_positive_gbit_rates_each_once() -> None:
+    assert parse_links("unshaped") == (None,)
+    assert parse_links("unshaped,0.5,1") == (None, 0.5, 1.0)
+    for bad, says in [("0", "positive"), ("-1", "positive"), ("fast", "'unshaped' or a rate"),
+                      ("nan", "positive"), ("0.5,0.5", "more than once"), ("", "at least one link")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            parse_links(bad)
+
+
+def test_rate_is_auto_or_a_positive_finite_number() -> None:
+    assert parse_rate("auto") is None
+    assert parse_rate("0.25") == 0.25
+    for bad in ("0", "-2", "inf", "fast"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--rate"):
+            parse_rate(bad)
+
+
+# -- the rate rule ----------------------------------------------------------------------------
+def test_auto_rate_is_seven_tenths_of_one_prefill_per_measured_prefill_time() -> None:
+    assert auto_rate(8.0) == pytest.approx(0.7 / 8.0)
+    assert auto_rate(2.0, 0.5) == pytest.approx(0.25)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="positive time"):
+            auto_rate(bad)
+    with pytest.raises(ValueError, match="fraction"):
+        auto_rate(1.0, 1.5)
+
+
+def test_the_rate_rule_says_where_the_rate_came_from() -> None:
+    auto = rate_rule(None, 8.0, 2048, "lynx-unshaped-producer")
+    assert "0.7 x the producer's prefill throughput" in auto
+    assert "2048-token" in auto and "lynx-unshaped-producer" in auto and "8.000 s" in auto and "0.0875" in auto
+    assert rate_rule(0.2, None, 2048, None) == "fixed: --rate 0.2 requests/s"
+
+
+def test_percentile_interpolates_as_numpy_does() -> None:
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([0.0, 100.0], 99) == pytest.approx(99.0)
+    assert percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+# -- the rows ---------------------------------------------------------------------------------
+def test_a_row_takes_vllms_metrics_and_the_proxys_decode_leg_ttft() -> None:
+    records = [proxied("lynx-int8-unshaped-0", 10.0, 10.2), proxied("lynx-int8-unshaped-1", 20.0, 20.4),
+               proxied("lynx-int8-unshaped-2", 30.0, 30.1, error="502 decode"),
+               proxied("warmup.lynx-int8-unshaped.0", 5.0, 9.0)]  # another run's and the warm-up's: not counted
+    row = run_row(INT8, None, 0.4, 3, result(), records, "lynx-int8-unshaped-")
+    assert set(row) == ROW_KEYS
+    assert (row["connector"], row["scheme"], row["load"], row["link_gbps"]) == ("lynx", "int8", "sync", None)
+    assert (row["rate"], row["requests"], row["completed"], row["failed"]) == (0.4, 3, 2, 1)
+    assert row["ttft_ms"] == {"mean": 1400.0, "median": 1400.0, "p99": 1596.0}
+    assert row["tpot_ms"]["p99"] == 54.9 and row["itl_ms"]["median"] == 50.0 and row["e2el_ms"]["mean"] == 2250.0
+    assert row["consumer_ttft_ms"]["median"] == pytest.approx(300.0)
+    assert row["consumer_ttft_ms"]["p99"] == pytest.approx(398.0)
+    assert row["equal_to_int8"] is None
+    json.dumps(row)  # JSON as it is
+
+
+def test_a_row_without_a_proxy_has_no_consumer_ttft() -> None:
+    row = run_row(BenchConfig("none", Connector.NONE), None, 0.4, 3, result(), None, "none-unshaped-")
+    assert row["consumer_ttft_ms"] == {"median": None, "p99": None}
+    assert (row["scheme"], row["load"]) == (None, None)
+
+
+def test_a_configuration_that_did_not_run_has_a_row_of_nulls() -> None:
+    row = failed_row(BenchConfig("nixl", Connector.NIXL), None, 0.4, 20)
+    assert set(row) == ROW_KEYS
+    assert (row["completed"], row["failed"]) == (0, 20)
+    assert row["ttft_ms"] == {"mean": None, "median": None, "p99": None}
+    assert "nixl" in table([row])
+
+
+def test_consumer_ttfts_keep_only_this_runs_successful_requests() -> None:
+    records = [proxied("a-0", 1.0, 1.5), proxied("a-1", 2.0, 2.25), proxied("b-0", 1.0, 9.0),
+               proxied("a-2", 3.0, 3.1, error="x"), {"request_id": "a-3", "decode_sent_at": 4.0, "error": None}]
+    assert consumer_ttfts(records, "a-") == pytest.approx([500.0, 250.0])
+
+
+def test_equal_to_int8_compares_lynx_texts_per_request_at_the_same_link_and_load() -> None:
+    fixture = result()
+    texts = [None if e else t for t, e in zip(fixture["generated_texts"], fixture["errors"])]
+    rows = [run_row(c, link, 0.4, 3, fixture, [], "x-") for c, link in
+            [(INT8, None), (LYNX, None), (LYNX, 0.5), (BenchConfig("none", Connector.NONE), None)]]
+    # a failed request is not an equal one; the 0.5 Gbit/s lynx run has no int8 run to compare with
+    fill_equal_to_int8(rows, [texts, texts, texts, texts])
+    assert [r["equal_to_int8"] for r in rows] == [None, False, None, None]
+    ok = ["a", "b", "c"]
+    fill_equal_to_int8(rows, [ok, list(ok), ok, ok])
+    assert rows[1]["equal_to_int8"] is True
+    fill_equal_to_int8(rows, [ok, ["a", "b", "d"], ok, ok])
+    assert rows[1]["equal_to_int8"] is False
+
+
+def test_the_breakdown_finds_each_requests_own_load_among_ids_that_contain_it() -> None:
+    records = [proxied("lynx-int8-unshaped-1", 10.0, 10.3)]
+    loads = [  # vLLM's ids carry the client's inside their own; the warm-up's and request 10's contain it too
+        {"request_id": "cmpl-warmup-lynx-int8-unshaped-1-0-aa", "requested_at": 2.0, "last_layer_landed_at": 2.1},
+        {"request_id": "cmpl-lynx-int8-unshaped-10-0-bb", "requested_at": 10.01, "last_layer_landed_at": 10.02},
+        {"request_id": "cmpl-lynx-int8-unshaped-1-0-cc", "requested_at": 10.02, "last_layer_landed_at": 10.22},
+    ]
+    parts = ttft_breakdown(records, loads, "lynx-int8-unshaped-")
+    assert parts["prefill"]["median"] == pytest.approx(1200.0)
+    assert parts["to_pull"]["median"] == pytest.approx(20.0)
+    assert parts["transfer"]["median"] == pytest.approx(200.0)
+    assert parts["first_step"]["median"] == pytest.approx(80.0)
+    assert parts["consumer_ttft"]["median"] == pytest.approx(300.0)
+
+
+def test_the_table_has_one_fixed_width_line_per_row() -> None:
+    rows = [run_row(INT8, None, 0.4, 3, result(), [], "x-"), failed_row(LYNX, 0.5, None, 3)]
+    lines = table(rows).splitlines()
+    assert len(lines) == 4 and len({len(line) for line in lines[:3]}) == 1
+    assert lines[2].split()[:4] == ["lynx-int8", "unshaped", "0.400", "2/1"]
+    assert lines[3].split()[1] == "0.5G"
