@@ -42,7 +42,7 @@ from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import BUSY_PREFIX, KVRequest, PromptKind, parse_error_reply
 from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull, generate
-from lynx_decode.split_choice import DEFAULT_STEP_S, SplitChoice, choose_split
+from lynx_decode.split_choice import DEFAULT_STEP_S, SplitChoice, choose_split_or_default
 from lynx_decode.timeouts import Timeouts
 from lynx_transport import Lane, ReceivedRegion, ReceivePool, ReceiveStream, TransportConfig
 from lynx_transport.errors import ClosedError, LynxError, StreamFailedError, TransportError
@@ -331,9 +331,7 @@ class DecodeNode:
             tokens = len(self.model.chat_prompt(prompt) if kind == "chat" else self.model.tokenize(prompt))
         int8_bytes = cache_bytes(self.model.info.layers, max(1, tokens - 1), CodecConfig(Scheme.INT8))
         rate = bandwidth_gbps if bandwidth_gbps is not None else self._seen_gbps.get(server)
-        if rate is None:  # nothing known about this link yet: the default split
-            return SplitChoice((DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS))
-        return choose_split(int8_bytes, rate, self._seen_step_s or DEFAULT_STEP_S)
+        return choose_split_or_default(int8_bytes, rate, self._seen_step_s or DEFAULT_STEP_S)
 
     def _learn(self, server: tuple[str, int], m: dict[str, Any]) -> None:
         """Remember the link rate and the decode step this run saw (for ``planes="auto"``)."""

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lynx_decode.codec.config import DEFAULT_ANCHOR_BITS
 from lynx_decode.errors import CodecError
 
-__all__ = ["SplitChoice", "choose_split", "NO_SPLIT_STEPS", "THREE_BIT_STEPS", "DEFAULT_STEP_S"]
+__all__ = ["SplitChoice", "choose_split", "choose_split_or_default", "NO_SPLIT_STEPS", "THREE_BIT_STEPS",
+           "DEFAULT_STEP_S"]
 
 #: Below this many decode steps of INT8 transfer, no split.
 NO_SPLIT_STEPS = 3.0
@@ -82,3 +84,12 @@ def choose_split(int8_bytes: int, rate_gbps: float, step_s: float = DEFAULT_STEP
     else:
         planes = (3, 5)
     return SplitChoice(planes, transfer, step_s)
+
+
+def choose_split_or_default(int8_bytes: int, rate_gbps: float | None,
+                            step_s: float = DEFAULT_STEP_S) -> SplitChoice:
+    """:func:`choose_split`, or the default split (``4,4``, no transfer time) when nothing is
+    known about the link (``rate_gbps`` None)."""
+    if rate_gbps is None:
+        return SplitChoice((DEFAULT_ANCHOR_BITS, 8 - DEFAULT_ANCHOR_BITS))
+    return choose_split(int8_bytes, rate_gbps, step_s)

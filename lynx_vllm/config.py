@@ -59,7 +59,7 @@ from lynx_decode.codec.config import CodecConfig, Scheme, check_planes, parse_pl
 from lynx_decode.errors import CodecError
 from lynx_decode.kvstream import cache_bytes
 from lynx_decode.model.geometry import LayerGeometry
-from lynx_decode.split_choice import DEFAULT_STEP_S, SplitChoice, choose_split
+from lynx_decode.split_choice import choose_split_or_default
 from lynx_decode.timeouts import Timeouts
 from lynx_vllm.errors import ConnectorError
 
@@ -196,11 +196,8 @@ def resolve_split(scheme: Scheme, planes: Planes, geometry: tuple[LayerGeometry,
         return scheme, planes, None
     if scheme is not Scheme.LYNX:
         return scheme, (4, 4), None
-    if rate_gbps is None:
-        choice = SplitChoice((4, 4))
-    else:
-        int8_bytes = cache_bytes(geometry, max(1, prompt_tokens - 1), CodecConfig(Scheme.INT8))
-        choice = choose_split(int8_bytes, rate_gbps, DEFAULT_STEP_S)
+    int8_bytes = cache_bytes(geometry, max(1, prompt_tokens - 1), CodecConfig(Scheme.INT8))
+    choice = choose_split_or_default(int8_bytes, rate_gbps)
     if choice.planes is None:
         return Scheme.INT8, (4, 4), choice.reason
     return Scheme.LYNX, choice.planes, choice.reason
