@@ -176,6 +176,13 @@ class Link:
         cfg = self._config
         for ns in cfg.namespaces:
             sh(["ip", "netns", "add", ns])
+            if cfg.lanes:
+                # the filters match a lane by source or destination port: an ephemeral
+                # port the kernel picks inside a lane's range (32768-60999 holds them)
+                # would put another connection's bytes in that lane's class
+                ports = f"{cfg.lane_ports(0).low}-{cfg.lane_ports(cfg.lanes - 1).high}"
+                sh(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                    f"net.ipv4.ip_local_reserved_ports={ports}"])
         if cfg.switched:
             sw = cfg.switch_namespace
             sh(["ip", "-n", sw, "link", "add", "name", BRIDGE, "type", "bridge"])  # STP off

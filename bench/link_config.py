@@ -196,7 +196,9 @@ class LinkConfig:
     when the link comes up (never silently ignored). ``lanes`` > 0 adds one htb class
     per lane, lane 0 first in priority, matched by the lane's TCP port range (both
     source and destination port) — give each lane's UCX worker that range with
-    ``UCX_TCP_PORT_RANGE``. ``burst_bytes`` None picks 1 ms at the rate (at least
+    ``UCX_TCP_PORT_RANGE``. Every namespace reserves the lane ports
+    (``ip_local_reserved_ports``), so no port the kernel picks for another socket
+    falls in a lane. ``burst_bytes`` None picks 1 ms at the rate (at least
     128 KiB, so one full GSO packet fits). ``subnet`` None picks 10.254.0.0/30 for
     one decode host and 10.254.0.0/27 for more; a subnet must hold ``hosts`` + 1
     addresses (the prefill host takes the first, decode host ``i`` the ``i+2``-th).

@@ -213,6 +213,29 @@ def _end(lane: dict) -> float:
     return float(lane["first"]) + float(lane["seconds"])  # CLOCK_MONOTONIC, any process
 
 
+def test_no_ephemeral_port_falls_in_a_lane(prefix: str) -> None:
+    """The lane filters match source or destination port, so a port the kernel picks
+    for some other socket (the ephemeral range 32768-60999 holds the lane ranges) would
+    put that socket's bytes in a lane's class: a lane-1 sender whose source port fell in
+    lane 0's range got lane 0's priority, and the two lanes shared the link. The
+    namespaces reserve the lane ports; here the ephemeral range is narrowed to the lanes
+    plus nine ports, and the kernel must pick only those nine."""
+    up = lynx("link", "up", "--rate", "1gbit", "--lanes", "2", "--prefix", prefix, "--json")
+    assert up.returncode == 0, up.stderr
+    lanes = json.loads(up.stdout)["lane_port_ranges"]
+    low, high = int(lanes["0"].split("-")[0]), int(lanes["1"].split("-")[1])
+    ns = f"{prefix}-tx"
+    subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                    f"net.ipv4.ip_local_port_range={low} {high + 9}"], check=True)
+    program = ("import socket\n"
+               "socks = [socket.socket() for _ in range(9)]\n"
+               "for s in socks: s.bind(('', 0))\n"
+               "print(' '.join(str(s.getsockname()[1]) for s in socks))\n")
+    picked = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", program],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(int(p) for p in picked) == list(range(high + 1, high + 10)), (low, high, picked)
+
+
 def test_lane_zero_takes_the_link_before_lane_one(
         prefix: str, children: list[subprocess.Popen[str]]) -> None:
     lane0, lane1 = _two_lanes(prefix, children)
