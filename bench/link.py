@@ -285,18 +285,10 @@ class Link:
         """Environment for a UCX (ucxx) process on ``host``: tcp only, on its veth, and,
         for a ``lane``, that lane's port range for the worker's data connections.
 
-        Checked with ucxx 0.52 / UCX 1.21 between the two namespaces: a listener on
-        the rx address and an endpoint from tx move data over the veth with these
-        settings (UCX also found the veth without them here, but pinning the
-        transport and device keeps shared-memory or another device from ever
-        bypassing the shaped link). With ``UCX_TCP_PORT_RANGE`` on both ends a
-        250 MB send put 261 MB through the lane's htb class and 1.1 kB (the
-        listener's handshake) through the default class: data flows on the
-        worker's own ports, not the listener's. With ``UCX_TLS`` = ``all``,
-        ``^posix,sysv`` or ``cma,tcp`` the bytes still all crossed the veth (tc
-        counters): UCX did not use cma between the namespaces. Note that a UCX
-        context given ``TLS``/``NET_DEVICES`` in its config overrides these
-        variables; ``UCX_TCP_PORT_RANGE`` still applies."""
+        Pinning the transport and device keeps shared memory or another device from
+        ever bypassing the shaped link. A UCX context given ``TLS``/``NET_DEVICES``
+        in its config overrides these variables; ``UCX_TCP_PORT_RANGE`` still
+        applies. What was checked: docs/design.md, "Link emulation"."""
         env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.device(host)}
         if lane is not None:
             env["UCX_TCP_PORT_RANGE"] = self.lane_ports(lane).ucx
