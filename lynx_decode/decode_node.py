@@ -56,7 +56,7 @@ DEFAULT_POOL_BYTES = 512 << 20
 
 
 @dataclasses.dataclass
-class _Pending:
+class _AwaitedStream:
     """A run waiting for its KV stream: the future the stream's opening resolves, the
     cache headroom it asked for, and the cache buffers taken for it (given back after)."""
 
@@ -93,7 +93,7 @@ class DecodeNode:
         self.timeout_s = self.timeouts.stream_s
         self.transport = transport
         self._transport_config = self.timeouts.transport(config)
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, _AwaitedStream] = {}
         self._assemblers: dict[int, KVAssembler] = {}
         self._lane_done: dict[int, dict[int, float]] = {}
         self._release_on_complete: set[int] = set()
@@ -204,7 +204,7 @@ class DecodeNode:
     KEEP_FREE = 2
 
     def _take_buffers(self, name: str, shape: KVShape, headroom: int,
-                      owner: _Pending | None) -> KVBuffers:
+                      owner: _AwaitedStream | None) -> KVBuffers:
         """``name`` ("draft"/"full") cache buffers for ``shape``: a free pre-faulted set
         when one is left from an earlier run (see :meth:`prepare`), else new ones.
         Concurrent runs each get their own; :meth:`_give_back` returns them."""
@@ -306,7 +306,7 @@ class DecodeNode:
         hold = hold_residual and scheme is Scheme.LYNX and max_draft > 0
         request = KVRequest(request_id, scheme, split, kind, self.address, bandwidth_gbps,
                             hold_residual=hold)
-        waiting = _Pending(cf.Future(), max_new_tokens + max_draft + 2,
+        waiting = _AwaitedStream(cf.Future(), max_new_tokens + max_draft + 2,
                            bandwidth_gbps if bandwidth_gbps is not None else self._seen_gbps.get(server))
         with self._lock:
             self._pending[request_id] = waiting
@@ -342,7 +342,7 @@ class DecodeNode:
         if step is not None:
             self._seen_step_s = step if self._seen_step_s is None else 0.5 * (self._seen_step_s + step)
 
-    def _run(self, server: tuple[str, int], request: KVRequest, payload: bytes, waiting: _Pending, *,
+    def _run(self, server: tuple[str, int], request: KVRequest, payload: bytes, waiting: _AwaitedStream, *,
              max_new_tokens: int, max_draft: int, hold: bool, on_missing_residual: MissingFull,
              on_event: Callable[[Event], None] | None) -> RunResult:
         conn = self._connection(server)

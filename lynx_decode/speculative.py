@@ -213,11 +213,11 @@ def decode_events(model: CausalLM, prompt_ids: Sequence[int], *,
         raise DecodeError("decode_events needs at least one cache level")
     if config.max_draft == 0:
         chain = chain[-1:]
-    run = _Run(model, ids, chain, config, t0, clock)
+    run = _Generation(model, ids, chain, config, t0, clock)
     yield from run.events()
 
 
-class _Run:
+class _Generation:
     """One generation (the state :func:`decode_events` walks through)."""
 
     def __init__(self, model: CausalLM, ids: list[int], chain: list[CacheLevel], config: DecodeConfig,

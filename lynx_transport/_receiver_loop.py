@@ -20,7 +20,7 @@ from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
 from lynx_transport._receiver_quarantine import Quarantine
 from lynx_transport._receiver_rail import RailLoop, cancel_receives, post_receives
-from lynx_transport._receiver_state import _Conn, _Pending, _RxStream
+from lynx_transport._receiver_state import PostedChunk, RxPeer, RxStream
 from lynx_transport.clock import Clock
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
@@ -97,11 +97,11 @@ class RxLoop(IoLoop):
         self.release = release
         self.requested_rate: Rate | None = None  # Receiver.request_rate, for every sender
         self.listen = listen
-        self.conns: dict[int, _Conn] = {}
+        self.conns: dict[int, RxPeer] = {}
         self.rails: list[RailLoop] = []
         # a failed stream's receives are cancelled on the rail that posted them
         self.quarantine = Quarantine(pool, lambda requests: cancel_receives(requests, self.rails))
-        self.waiting: collections.deque[tuple[float, _Conn, Manifest]] = collections.deque()
+        self.waiting: collections.deque[tuple[float, RxPeer, Manifest]] = collections.deque()
         self.counters = LaneCounters()
         self.completed = 0
         self.failed = 0
@@ -133,7 +133,7 @@ class RxLoop(IoLoop):
                 log.warning("accept failed: %s", exc)
                 return
             now = self.clock.now()
-            conn = _Conn(ControlSocket(sock, HANDSHAKE_MAX_PAYLOAD, now), now)
+            conn = RxPeer(ControlSocket(sock, HANDSHAKE_MAX_PAYLOAD, now), now)
             self.conns[conn.ctl.fileno()] = conn
             self.selector.register(sock, selectors.EVENT_READ, self.on_readable)
 
@@ -147,7 +147,7 @@ class RxLoop(IoLoop):
         except TransportError as exc:
             self.drop_conn(conn, exc)
 
-    def drop_conn(self, conn: _Conn, exc: TransportError, quiet: bool = False) -> None:
+    def drop_conn(self, conn: RxPeer, exc: TransportError, quiet: bool = False) -> None:
         if conn.ctl.closed:
             return
         if conn.challenge is not None and not quiet:
@@ -169,10 +169,10 @@ class RxLoop(IoLoop):
         conn.ctl.close()
 
     # -- frames ------------------------------------------------------------------------
-    def send(self, conn: _Conn, ftype: FrameType, payload: bytes = b"") -> None:
+    def send(self, conn: RxPeer, ftype: FrameType, payload: bytes = b"") -> None:
         conn.ctl.send(ftype, payload, self.clock.now())
 
-    def on_frame(self, conn: _Conn, frame: Frame | OversizedFrame) -> None:
+    def on_frame(self, conn: RxPeer, frame: Frame | OversizedFrame) -> None:
         if not conn.hello:
             self.on_handshake(conn, frame)
             return
@@ -209,7 +209,7 @@ class RxLoop(IoLoop):
         else:
             raise ProtocolError(f"unexpected {t.name} frame from a sender")
 
-    def on_handshake(self, conn: _Conn, frame: Frame | OversizedFrame) -> None:
+    def on_handshake(self, conn: RxPeer, frame: Frame | OversizedFrame) -> None:
         """HELLO [-> CHALLENGE, PROOF] -> WELCOME; see :mod:`lynx_transport._auth`."""
         step = _auth.receiver_step(self.config.secret, conn.challenge, frame)
         if step.deny is not None:
@@ -221,7 +221,7 @@ class RxLoop(IoLoop):
             conn.challenge = None
             self.welcome(conn)
 
-    def welcome(self, conn: _Conn) -> None:
+    def welcome(self, conn: RxPeer) -> None:
         conn.hello = True
         conn.ctl.limit(self.max_payload)
         rate = self.requested_rate
@@ -233,7 +233,7 @@ class RxLoop(IoLoop):
         if self.heartbeats is not None:
             self.heartbeats.add(conn.ctl)
 
-    def deny(self, conn: _Conn, why: str) -> None:
+    def deny(self, conn: RxPeer, why: str) -> None:
         """Refuse an unauthenticated peer: logged with its address, told why, disconnected."""
         log.warning("refused connection from %s: authentication failed (%s)", conn.ctl.peer, why)
         try:
@@ -242,7 +242,7 @@ class RxLoop(IoLoop):
             pass
         self.drop_conn(conn, AuthenticationError(f"peer {conn.ctl.peer}: {why}"), quiet=True)
 
-    def reject(self, conn: _Conn, sid: int, reason: RejectReason, text: str) -> None:
+    def reject(self, conn: RxPeer, sid: int, reason: RejectReason, text: str) -> None:
         log.warning("rejected stream %d from %s: %s", sid, conn.ctl.peer, text)
         self.send(conn, FrameType.REJECT, pack_stream_text(sid, reason, text))
 
@@ -257,7 +257,7 @@ class RxLoop(IoLoop):
                 except TransportError as exc:
                     self.drop_conn(conn, exc)
 
-    def on_open(self, conn: _Conn, payload: bytes) -> None:
+    def on_open(self, conn: RxPeer, payload: bytes) -> None:
         limits = self.config.manifest_limits
         sid = int.from_bytes(payload[:8].ljust(8, b"\0"), "big")
         try:
@@ -274,7 +274,7 @@ class RxLoop(IoLoop):
         self.waiting.append((self.clock.now() + self.config.pool_wait_s, conn, manifest))
         self.admit_waiting(self.clock.now())
 
-    def drop_waiting(self, conn: _Conn, sid: int) -> None:
+    def drop_waiting(self, conn: RxPeer, sid: int) -> None:
         """Forget a manifest still waiting for pool space (its sender gave it up)."""
         self.waiting = collections.deque(
             w for w in self.waiting if not (w[1] is conn and w[2].stream_id == sid))
@@ -310,12 +310,12 @@ class RxLoop(IoLoop):
                 self.drop_conn(conn, err)
         return deadline
 
-    def admit(self, conn: _Conn, manifest: Manifest, offsets: list[int]) -> None:
+    def admit(self, conn: RxPeer, manifest: Manifest, offsets: list[int]) -> None:
         sid = manifest.stream_id
         regions = tuple(ReceivedRegion(r.name, r.lane, r.nbytes, off)
                         for r, off in zip(manifest.regions, offsets))
         handle = ReceiveStream(manifest, regions, self.pool, conn.ctl.peer, self.release)
-        rx = _RxStream(handle, self.quarantine.alloc_token(), conn)
+        rx = RxStream(handle, self.quarantine.alloc_token(), conn)
         conn.streams[sid] = rx
         handle._abandon = lambda reason, timeout: self.run(lambda: self.abandon(rx, reason), timeout)
         handle._go = lambda lane, timeout: self.run(lambda: self.lane_go(rx, lane), timeout)
@@ -332,7 +332,7 @@ class RxLoop(IoLoop):
         self.send(conn, FrameType.ACCEPT, pack_stream_token(sid, rx.token))
         self.finish_empty(rx)
 
-    def finish_empty(self, rx: _RxStream) -> None:
+    def finish_empty(self, rx: RxStream) -> None:
         """Regions and lanes with no bytes are complete as soon as the stream opens."""
         for i, r in enumerate(rx.handle.regions):
             if r.nbytes == 0:
@@ -344,18 +344,18 @@ class RxLoop(IoLoop):
             self.stream_landed(rx)
 
     # -- completion ----------------------------------------------------------------------
-    def region_landed(self, rx: _RxStream, i: int) -> None:
+    def region_landed(self, rx: RxStream, i: int) -> None:
         region = rx.handle.regions[i]
         rx.handle._completion.region_done(region.name)
         self.post(self.cb["on_region"], rx.handle, region)
 
-    def lane_landed(self, rx: _RxStream, lane: int) -> None:
+    def lane_landed(self, rx: RxStream, lane: int) -> None:
         rx.lanes_open.discard(lane)
         if rx.handle._completion.lane_done(lane, self.clock.now()):
             self.send(rx.conn, FrameType.LANE_DONE, pack_stream_lane(rx.handle.stream_id, lane))
             self.post(self.cb["on_lane_complete"], rx.handle, lane)
 
-    def stream_landed(self, rx: _RxStream) -> None:
+    def stream_landed(self, rx: RxStream) -> None:
         if rx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
             rx.handle._abandon = rx.handle._go = None
             self.completed += 1
@@ -365,7 +365,7 @@ class RxLoop(IoLoop):
             self.send(rx.conn, FrameType.STREAM_DONE, pack_u64(rx.handle.stream_id))
             self.post(self.cb["on_stream_complete"], rx.handle)
 
-    def lane_go(self, rx: _RxStream, lane: int) -> None:
+    def lane_go(self, rx: RxStream, lane: int) -> None:
         """``ReceiveStream.release_lane``: let the sender send a lane it holds."""
         if rx.handle.state.terminal or lane not in rx.lanes_open or rx.conn.ctl.closed:
             return
@@ -374,12 +374,12 @@ class RxLoop(IoLoop):
         except TransportError as exc:  # the stream fails with the connection
             self.drop_conn(rx.conn, exc)
 
-    def abandon(self, rx: _RxStream, reason: str) -> None:
+    def abandon(self, rx: RxStream, reason: str) -> None:
         """The receiver's user gave the stream up (``ReceiveStream.abandon``)."""
         self.fail(rx, StreamCancelledError(f"stream {rx.handle.stream_id} was abandoned by the "
                                            f"receiver: {reason}"), StreamState.CANCELLED, tell_peer=True)
 
-    def fail(self, rx: _RxStream, exc: TransportError, state: StreamState,
+    def fail(self, rx: RxStream, exc: TransportError, state: StreamState,
              tell_peer: bool = False) -> None:
         h = rx.handle
         if not h._completion.finish(state, self.clock.now(), exc):
@@ -403,7 +403,7 @@ class RxLoop(IoLoop):
                 pass
         self.post(self.cb["on_stream_failed"], h, exc)
 
-    def chunk_landed(self, rx: _RxStream, p: _Pending, now: float) -> None:
+    def chunk_landed(self, rx: RxStream, p: PostedChunk, now: float) -> None:
         """Account one chunk whose bytes are in place (and verified, if asked)."""
         lane = p.lane
         self.counters.add(lane, p.nbytes, now)
@@ -421,7 +421,7 @@ class RxLoop(IoLoop):
         if rx.left == 0:
             self.stream_landed(rx)
 
-    def verify_chunk(self, rx: _RxStream, p: _Pending) -> bool:
+    def verify_chunk(self, rx: RxStream, p: PostedChunk) -> bool:
         """True when ``p``'s bytes match the sender's CHUNK_SUM; parks it until the sum arrives.
 
         A mismatch (a short, long or corrupted chunk) fails the stream.
@@ -432,7 +432,7 @@ class RxLoop(IoLoop):
             self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
             return False
 
-    def on_chunk_sum(self, conn: _Conn, payload: bytes) -> None:
+    def on_chunk_sum(self, conn: RxPeer, payload: bytes) -> None:
         sid, index, nbytes, crc = unpack_chunk_sum(payload)
         rx = conn.streams.get(sid)
         if rx is None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from lynx_transport import _ucx
 from lynx_transport._loop import IoLoop
-from lynx_transport._receiver_state import _Pending, _RxStream
+from lynx_transport._receiver_state import PostedChunk, RxStream
 from lynx_transport._ucx import UcxWorker
 from lynx_transport.clock import Clock
 from lynx_transport.errors import TransportError
@@ -66,7 +66,7 @@ class RailLoop(IoLoop):
         self._posted.clear()
 
 
-def post_receives(worker: UcxWorker, rails: Sequence[RailLoop], pool: ReceivePool, rx: _RxStream,
+def post_receives(worker: UcxWorker, rails: Sequence[RailLoop], pool: ReceivePool, rx: RxStream,
                   manifest: Manifest, regions: Sequence[ReceivedRegion]) -> None:
     """Post one tagged receive per chunk of a stream into its pool regions (on the I/O
     thread, whose ``worker`` is rail 0): chunk ``i`` on rail ``i % rails``, the rails'
@@ -75,14 +75,14 @@ def post_receives(worker: UcxWorker, rails: Sequence[RailLoop], pool: ReceivePoo
     base = rx.token << 32
     n_rails = 1 + len(rails)
     # (pending, view) of the chunks each extra rail posts on its own thread
-    handed: list[list[tuple[_Pending, Any]]] = [[] for _ in rails]
+    handed: list[list[tuple[PostedChunk, Any]]] = [[] for _ in rails]
     for i, (r, first) in enumerate(zip(regions, manifest.first_chunk_indices())):
         q = rx.pending[r.lane]
         for k, off in enumerate(range(0, r.nbytes, cb)):
             n, index = min(cb, r.nbytes - off), first + k
             rail = rail_of(index, n_rails)  # the sender picks the same endpoint
             view = pool.view(r.offset + off, n)
-            p = _Pending(None, i, off, n, index, r.lane, rail)
+            p = PostedChunk(None, i, off, n, index, r.lane, rail)
             if rail:
                 handed[rail - 1].append((p, view))
             else:

@@ -15,14 +15,16 @@ from lynx_transport.errors import ProtocolError
 from lynx_transport.pool import ReceivePool
 from lynx_transport.receive_stream import ReceiveStream
 
-__all__ = ["_Pending", "_LaneQueue", "_RxStream", "_Conn", "COMPLETED_MEMORY"]
+__all__ = ["PostedChunk", "LaneQueue", "RxStream", "RxPeer", "COMPLETED_MEMORY"]
 
 #: Completed stream ids remembered per connection (to recognise late duplicate confirmations).
 COMPLETED_MEMORY = 256
 
 
 @dataclasses.dataclass
-class _Pending:
+class PostedChunk:
+    """One chunk's tagged receive, posted into the pool: where it lands and on which rail."""
+
     request: Any
     region: int
     offset: int
@@ -32,7 +34,7 @@ class _Pending:
     rail: int = 0  # the UCX worker it is posted on (see _receiver_rail)
 
 
-class _LaneQueue:
+class LaneQueue:
     """A lane's posted receives, one FIFO per region.
 
     The sender sends a region's chunks in order, but regions in the order they
@@ -41,10 +43,10 @@ class _LaneQueue:
     """
 
     def __init__(self) -> None:
-        self.regions: dict[int, collections.deque[_Pending]] = {}
+        self.regions: dict[int, collections.deque[PostedChunk]] = {}
         self.live = 0
 
-    def append(self, p: _Pending) -> None:
+    def append(self, p: PostedChunk) -> None:
         self.regions.setdefault(p.region, collections.deque()).append(p)
         self.live += 1
 
@@ -54,7 +56,7 @@ class _LaneQueue:
     def __iter__(self):
         return (p for q in self.regions.values() for p in q)
 
-    def pop_completed(self) -> list[_Pending]:
+    def pop_completed(self) -> list[PostedChunk]:
         done = []
         for region, q in list(self.regions.items()):
             while q and q[0].request.completed:
@@ -65,14 +67,14 @@ class _LaneQueue:
         return done
 
 
-class _RxStream:
+class RxStream:
     """I/O-thread state of one incoming stream."""
 
-    def __init__(self, handle: ReceiveStream, token: int, conn: _Conn) -> None:
+    def __init__(self, handle: ReceiveStream, token: int, conn: RxPeer) -> None:
         self.handle = handle
         self.token = token
         self.conn = conn
-        self.pending: dict[int, _LaneQueue] = collections.defaultdict(_LaneQueue)
+        self.pending: dict[int, LaneQueue] = collections.defaultdict(LaneQueue)
         m = handle.manifest
         self.region_left = [r.nbytes for r in m.regions]
         self.lane_left: dict[int, int] = collections.defaultdict(int)
@@ -83,10 +85,10 @@ class _RxStream:
         self.chunk_total = m.chunk_total
         # verify_chunks: CRC32s announced by the sender, and chunks landed before their CRC
         self.sums: dict[int, tuple[int, int]] = {}
-        self.unverified: dict[int, _Pending] = {}
+        self.unverified: dict[int, PostedChunk] = {}
         self.verified: set[int] = set()
 
-    def add_sum(self, index: int, nbytes: int, crc: int) -> _Pending | None:
+    def add_sum(self, index: int, nbytes: int, crc: int) -> PostedChunk | None:
         """Record a CHUNK_SUM; returns the chunk it belongs to if that landed first.
 
         ``ProtocolError`` for a chunk past the manifest or a repeated sum.
@@ -100,7 +102,7 @@ class _RxStream:
         self.sums[index] = (nbytes, crc)
         return self.unverified.pop(index, None)
 
-    def verify(self, p: _Pending, pool: ReceivePool) -> bool:
+    def verify(self, p: PostedChunk, pool: ReceivePool) -> bool:
         """True when landed chunk ``p``'s bytes in ``pool`` match its CHUNK_SUM; False
         (``p`` parked) until the sum arrives; ``ProtocolError`` on a mismatch (a
         short, long or corrupted chunk)."""
@@ -120,12 +122,14 @@ class _RxStream:
         return True
 
 
-class _Conn:
+class RxPeer:
+    """A sender connected to this receiver: its control socket, handshake state and streams."""
+
     def __init__(self, ctl: ControlSocket, now: float) -> None:
         self.ctl = ctl
         self.accepted_at = now
         self.hello = False          # True once WELCOME went out (authenticated if required)
         self.challenge: tuple[bytes, bytes] | None = None  # (nonce_s, nonce_r) awaiting PROOF
-        self.streams: dict[int, _RxStream] = {}
+        self.streams: dict[int, RxStream] = {}
         # ids of recently completed streams: a CHUNK_SUM for one is a duplicate
         self.completed_ids: collections.deque[int] = collections.deque(maxlen=COMPLETED_MEMORY)

@@ -25,9 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lynx_decode.codec import decode_layer, encode_layer, int8_codes
-from lynx_decode.codec import pack as pk
-from lynx_decode.codec import quant as qt
+from lynx_decode.codec import decode_layer, encode_layer, int8_codes, pack, quant
 from lynx_decode.codec.config import CodecConfig, Scheme, Split
 from lynx_kernels import cpu_pack
 
@@ -66,8 +64,8 @@ def codes() -> np.ndarray:
 def buffers(codes: np.ndarray) -> dict[str, np.ndarray]:
     out = {
         "copy": np.empty_like(codes),
-        "anchor": np.empty(pk.packed_size(SIZE, BITS), np.uint8),
-        "residual": np.empty(pk.packed_size(SIZE, 8 - BITS), np.uint8),
+        "anchor": np.empty(pack.packed_size(SIZE, BITS), np.uint8),
+        "residual": np.empty(pack.packed_size(SIZE, 8 - BITS), np.uint8),
         "merged": np.empty_like(codes),
     }
     for buf in out.values():
@@ -125,15 +123,15 @@ def test_numba_merge(benchmark: Any, codes: np.ndarray, buffers: dict[str, np.nd
 
 
 def test_numpy_split(benchmark: Any, codes: np.ndarray, buffers: dict[str, np.ndarray]) -> None:
-    benchmark.pedantic(pk.split, args=(codes, BITS, np), rounds=2)
-    _report(benchmark, "numpy split", *_versus_memcpy(lambda: pk.split(codes, BITS, np), _copy(codes, buffers), 2))
+    benchmark.pedantic(pack.split, args=(codes, BITS, np), rounds=2)
+    _report(benchmark, "numpy split", *_versus_memcpy(lambda: pack.split(codes, BITS, np), _copy(codes, buffers), 2))
 
 
 def test_numpy_merge(benchmark: Any, codes: np.ndarray, buffers: dict[str, np.ndarray]) -> None:
     _numba_split(codes, buffers)
     args = (buffers["anchor"], buffers["residual"], SIZE, BITS, np)
-    benchmark.pedantic(pk.merge, args=args, rounds=2)
-    _report(benchmark, "numpy merge", *_versus_memcpy(lambda: pk.merge(*args), _copy(codes, buffers), 2))
+    benchmark.pedantic(pack.merge, args=args, rounds=2)
+    _report(benchmark, "numpy merge", *_versus_memcpy(lambda: pack.merge(*args), _copy(codes, buffers), 2))
 
 
 # ---- per-layer encode / decode at the real shape ------------------------------------
@@ -278,12 +276,12 @@ def test_split_choice_on_real_kv() -> None:
                         reg = {n: enc.layout.region(f"{name.lower()}_{n}") for n in ("scale", "zero")}
                         s, z = (a[g.offset : g.offset + g.size].view(np.float16).reshape(g.shape).astype(np.float32)
                                 for g in reg.values())
-                        expand = qt.expand_k if name == "K" else qt.expand_v
+                        expand = quant.expand_k if name == "K" else quant.expand_v
                         size = x.shape[1] if name == "K" else x.shape[2]
                         group = enc.layout.k_group if name == "K" else enc.layout.v_group
                         mid = ((q >> r).astype(np.uint8) << r) | (1 << (r - 1))
                         params = expand(s, group, size, np), expand(z, group, size, np)
-                        errs[f"{name}mid"].append(_rel(qt.dequantize(mid, 0, 0.0, *params, np), x))
+                        errs[f"{name}mid"].append(_rel(quant.dequantize(mid, 0, 0.0, *params, np), x))
             rows[(bits, split)] = {key: f"{np.mean(val) * 100:7.3f}%" if val else "    -   "
                                    for key, val in errs.items()}
     print(f"\nanchor-only relative error, mean over {len(kv)} layers, {kv[0][0].shape[1]} tokens")

@@ -8,9 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lynx_decode.codec import decode_layer, encode_layer, int8_codes
-from lynx_decode.codec import pack as pk
-from lynx_decode.codec import quant as qt
+from lynx_decode.codec import decode_layer, encode_layer, int8_codes, pack, quant
 from lynx_decode.codec.config import Backend, CodecConfig, Scheme, Split
 from lynx_decode.codec.layout import LayerLayout, plane_region
 from tests.unit._codec_cases import cases, plane_splits
@@ -21,7 +19,7 @@ SETTINGS = settings(max_examples=40, deadline=None)
 def test_pack_layout_by_hand() -> None:
     # 64 values: word i holds values 8i..8i+7; 4-bit packed word m, byte k = v[2m][k] | v[2m+1][k] << 4
     values = (np.arange(64) % 16).astype(np.uint8)
-    packed = pk.pack(values, 4, np)
+    packed = pack.pack(values, 4, np)
     assert packed.size == 32
     words = values.reshape(8, 8)
     for m in range(4):
@@ -29,7 +27,7 @@ def test_pack_layout_by_hand() -> None:
             assert packed[8 * m + k] == words[2 * m, k] | (words[2 * m + 1, k] << 4)
     # 3-bit: lane k's 24-bit integer sum_i v[i][k] << 3i, bytes m = 0..2 in packed word m
     values = np.random.default_rng(0).integers(0, 8, 64).astype(np.uint8)
-    packed = pk.pack(values, 3, np).reshape(3, 8)
+    packed = pack.pack(values, 3, np).reshape(3, 8)
     words = values.reshape(8, 8)
     for k in range(8):
         lane = sum(int(words[i, k]) << (3 * i) for i in range(8))
@@ -40,19 +38,19 @@ def test_pack_layout_by_hand() -> None:
 @SETTINGS
 def test_pack_round_trip_and_size(n: int, width: int, seed: int) -> None:
     values = np.random.default_rng(seed).integers(0, 1 << width, n).astype(np.uint8)
-    packed = pk.pack(values, width, np)
-    assert packed.size == pk.packed_size(n, width) == -(-n // 64) * 8 * width
-    np.testing.assert_array_equal(pk.unpack(packed, n, width, np), values)
+    packed = pack.pack(values, width, np)
+    assert packed.size == pack.packed_size(n, width) == -(-n // 64) * 8 * width
+    np.testing.assert_array_equal(pack.unpack(packed, n, width, np), values)
 
 
 @given(n=st.integers(1, 700), bits=st.integers(2, 6), seed=st.integers(0, 2**32 - 1))
 @SETTINGS
 def test_merge_of_split_is_the_codes(n: int, bits: int, seed: int) -> None:
     codes = np.random.default_rng(seed).integers(0, 256, n).astype(np.uint8)
-    anchor, residual = pk.split(codes, bits, np)
-    assert anchor.size == pk.packed_size(n, bits) and residual.size == pk.packed_size(n, 8 - bits)
-    np.testing.assert_array_equal(pk.merge(anchor, residual, n, bits, np), codes)
-    np.testing.assert_array_equal(pk.unpack(anchor, n, bits, np), codes >> (8 - bits))
+    anchor, residual = pack.split(codes, bits, np)
+    assert anchor.size == pack.packed_size(n, bits) and residual.size == pack.packed_size(n, 8 - bits)
+    np.testing.assert_array_equal(pack.merge(anchor, residual, n, bits, np), codes)
+    np.testing.assert_array_equal(pack.unpack(anchor, n, bits, np), codes >> (8 - bits))
 
 
 def _expanded(layout: LayerLayout, anchor: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -61,10 +59,10 @@ def _expanded(layout: LayerLayout, anchor: np.ndarray, name: str) -> tuple[np.nd
         return anchor[reg.offset : reg.offset + reg.size].view(np.float16).reshape(reg.shape).astype(np.float32)
 
     if name == "k":
-        return (qt.expand_k(region("scale"), layout.k_group, layout.tokens, np),
-                qt.expand_k(region("zero"), layout.k_group, layout.tokens, np))
-    return (qt.expand_v(region("scale"), layout.v_group, layout.head_dim, np),
-            qt.expand_v(region("zero"), layout.v_group, layout.head_dim, np))
+        return (quant.expand_k(region("scale"), layout.k_group, layout.tokens, np),
+                quant.expand_k(region("zero"), layout.k_group, layout.tokens, np))
+    return (quant.expand_v(region("scale"), layout.v_group, layout.head_dim, np),
+            quant.expand_v(region("zero"), layout.v_group, layout.head_dim, np))
 
 
 def _slack(x: np.ndarray, zero: np.ndarray, scale: np.ndarray, levels: int) -> np.ndarray:
@@ -177,7 +175,7 @@ def test_anchor_plus_residual_is_exactly_int8(case) -> None:
         merged = np.zeros(want.size, np.uint8)
         for plane, buf in zip(lynx.layout.plane_table, bufs):
             reg = lynx.layout.region(plane_region(name, plane.index))
-            merged |= pk.unpack(buf[reg.offset : reg.offset + reg.size], want.size, plane.bits, np) << plane.shift
+            merged |= pack.unpack(buf[reg.offset : reg.offset + reg.size], want.size, plane.bits, np) << plane.shift
         np.testing.assert_array_equal(merged.reshape(want.shape), want)
     for got, want in zip(decode_layer(lynx.layout, *bufs, backend=Backend.NUMPY),
                          decode_layer(int8.layout, a8, backend=Backend.NUMPY)):
@@ -224,19 +222,19 @@ def test_rounded_split_anchor_equals_a_b_bit_quantizer() -> None:
 
 def test_bf16_round_trip_and_rounding() -> None:
     x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, np.inf, -np.inf, 1e-40], dtype=np.float32)
-    bits = qt.f32_to_bf16_bits(x, np)
-    back = qt.bf16_bits_to_f32(bits, np)
+    bits = quant.f32_to_bf16_bits(x, np)
+    back = quant.bf16_bits_to_f32(bits, np)
     np.testing.assert_array_equal(back[[0, 3, 5, 6]], x[[0, 3, 5, 6]])
     assert back[1] == 1.0  # tie rounds to even
     assert back[2] == np.float32(1.015625)
-    assert np.isnan(qt.bf16_bits_to_f32(qt.f32_to_bf16_bits(np.array([np.nan], np.float32), np), np))[0]
+    assert np.isnan(quant.bf16_bits_to_f32(quant.f32_to_bf16_bits(np.array([np.nan], np.float32), np), np))[0]
 
 
 @pytest.mark.parametrize("value", [-70000.0, 1e5])
 def test_fp16_param_rounding_is_directed(value: float) -> None:
     lo = np.array([value, 0.1, -0.1, 0.0, 1e-9], dtype=np.float32)
-    down = qt._f16_down(lo, np)
-    up = qt._f16_up(lo, np)
+    down = quant._f16_down(lo, np)
+    up = quant._f16_up(lo, np)
     finite = np.isfinite(down)
     assert np.all(down.astype(np.float32)[finite] <= lo[finite])
     assert np.all(up.astype(np.float32)[np.isfinite(up)] >= lo[np.isfinite(up)])

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lynx_decode.codec import pack as pk
+from lynx_decode.codec import pack
 from lynx_kernels import cpu_codec, cpu_pack
 
 
 @pytest.mark.parametrize("bits", cpu_pack.SPLIT_WIDTHS)
 def test_split_merge_unpack_match_reference(bits: int) -> None:
     codes = np.random.default_rng(bits).integers(0, 256, 64 * 37).astype(np.uint8)
-    anchor, residual = pk.split(codes, bits, np)
+    anchor, residual = pack.split(codes, bits, np)
     a = np.full_like(anchor, 0xAA)
     r = np.full_like(residual, 0xAA)
     cpu_pack.split_kernel(bits)(codes.view(np.uint64), a.view(np.uint64), r.view(np.uint64))
@@ -29,9 +29,9 @@ def test_split_merge_unpack_match_reference(bits: int) -> None:
 @pytest.mark.parametrize("width", cpu_pack.WIDTHS)
 def test_pack_unpack_match_reference(width: int) -> None:
     values = np.random.default_rng(width).integers(0, 1 << width, 64 * 5).astype(np.uint8)
-    packed = np.zeros(pk.packed_size(values.size, width), np.uint8)
+    packed = np.zeros(pack.packed_size(values.size, width), np.uint8)
     cpu_pack.pack_kernel(width)(values.view(np.uint64), packed.view(np.uint64))
-    np.testing.assert_array_equal(packed, pk.pack(values, width, np))
+    np.testing.assert_array_equal(packed, pack.pack(values, width, np))
     back = np.zeros_like(values)
     cpu_pack.unpack_kernel(width)(packed.view(np.uint64), back.view(np.uint64))
     np.testing.assert_array_equal(back, values)
@@ -44,7 +44,7 @@ def test_split_handles_extreme_codes() -> None:
             a = np.zeros(8 * bits, np.uint8)
             r = np.zeros(8 * (8 - bits), np.uint8)
             cpu_pack.split_kernel(bits)(codes.view(np.uint64), a.view(np.uint64), r.view(np.uint64))
-            ra, rr = pk.split(codes, bits, np)
+            ra, rr = pack.split(codes, bits, np)
             np.testing.assert_array_equal(a, ra)
             np.testing.assert_array_equal(r, rr)
 
