@@ -14,7 +14,10 @@ for it. Addresses are ``(host, port)`` within one instance.
 Layout: this module is the network (:class:`MemoryTransport`: its listeners and
 egresses, the thread's round) and the receiving side (:class:`MemoryListener`);
 :mod:`lynx_transport._memory_egress` the sending side (``MemoryEgress``,
-``MemorySender``); :mod:`lynx_transport._memory_loop` the thread.
+``MemorySender``); :mod:`lynx_transport._memory_loop` the thread. Imports point one
+way, from here to the sending side: a listener hands its connections a
+``ListenerHooks`` and the network its egresses a ``NetworkHooks`` (callables, built
+here), and the listeners call the egress core's public methods.
 
 Concurrency model (threads + futures, as :mod:`lynx_transport._loop`): each
 ``MemoryTransport`` has ONE thread (``lynx-mem-net``, running while a listener
@@ -42,7 +45,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lynx_transport._dispatch import Dispatcher
-from lynx_transport._memory_egress import Conn, EgressCore, MemoryEgress, MemorySender, StreamEnds
+from lynx_transport._memory_egress import (
+    EgressCore,
+    EgressPeer,
+    ListenerHooks,
+    MemoryEgress,
+    MemorySender,
+    NetworkHooks,
+    StreamEnds,
+)
 from lynx_transport._memory_loop import CLOCK, NetLoop
 from lynx_transport._opened import OpenedStreams
 from lynx_transport.config import TransportConfig
@@ -80,9 +91,12 @@ class MemoryListener:
             pool, config, network, address, callbacks)
         self._run = network._loop.run
         self._opened = OpenedStreams()
-        self._conns: list[Conn] = []
+        self._conns: list[EgressPeer] = []
         self._waiting: collections.deque[tuple[float, StreamEnds, Manifest]] = collections.deque()
         self._dispatch = Dispatcher("lynx-mem-callbacks", config.thread_nice)
+        #: What a connection's egress calls (the sender's frames); the listener never hands itself.
+        self._hooks = ListenerHooks(address, self._attach, self._detach, self._accept, self._deliver,
+                                   self._fail_rx, self._unwait)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -107,13 +121,13 @@ class MemoryListener:
         self.close()
 
     # -- on the network thread: connections and opening -----------------------------------------
-    def _attach(self, conn: Conn) -> None:
+    def _attach(self, conn: EgressPeer) -> None:
         if self._opened.closed:
             raise ConnectError(f"cannot connect to {self._address[0]}:{self._address[1]}: "
                                "the listener was closed")
         self._conns.append(conn)
 
-    def _detach(self, conn: Conn) -> None:
+    def _detach(self, conn: EgressPeer) -> None:
         if conn in self._conns:
             self._conns.remove(conn)
 
@@ -288,13 +302,14 @@ class MemoryTransport:
         self._listeners: dict[tuple[str, int], MemoryListener] = {}
         self._egresses: list[EgressCore] = []
         self._ports = itertools.count(_FIRST_PORT)
+        self._hooks = NetworkHooks(self._add_egress, self._remove_egress, self._find)
 
     def __repr__(self) -> str:
         return "MemoryTransport()"
 
     def connect(self, address: tuple[str, int], *, timeout: float,
                 config: TransportConfig | None = None) -> MemorySender:
-        egress = MemoryEgress(self, config, private=True)  # closed with the connection
+        egress = MemoryEgress(self._hooks, config, private=True)  # closed with the connection
         try:
             return egress.connect(address, timeout=timeout)
         except BaseException:
@@ -302,7 +317,7 @@ class MemoryTransport:
             raise
 
     def egress(self, config: TransportConfig | None = None) -> MemoryEgress:
-        return MemoryEgress(self, config)
+        return MemoryEgress(self._hooks, config)
 
     def listen(self, pool: ReceivePool, *, host: str = "127.0.0.1", port: int = 0,
                config: TransportConfig | None = None,
@@ -345,12 +360,12 @@ class MemoryTransport:
         finally:
             self._loop.release(timeout)
 
-    def _find(self, address: tuple[str, int]) -> MemoryListener:
+    def _find(self, address: tuple[str, int]) -> ListenerHooks:
         listener = self._listeners.get(address)
         if listener is None:
             raise ConnectError(f"cannot connect to {address[0]}:{address[1]}: nobody listens "
                                "there (in-memory transport)")
-        return listener
+        return listener._hooks
 
     # -- on the network thread ---------------------------------------------------------------------------
     def _step(self) -> tuple[bool, float | None]:

@@ -12,10 +12,17 @@ connection fails only its own streams and leaves :meth:`MemoryEgress.peers`.
 (unshaped itself; the connection's shaper starts from the config's rates).
 
 Threads: the network's one thread (:mod:`lynx_transport._memory_loop`) owns an
-egress's state (:class:`EgressCore`, :class:`Conn`, :class:`StreamEnds`); the public
+egress's state (:class:`EgressCore`, :class:`EgressPeer`, :class:`StreamEnds`); the public
 methods hand it work and wait at most their timeout for the hand-off. Each round
 the thread asks each egress's scheduler for one chunk and copies it into the
 listener's pool at once, so nothing is ever in flight between rounds.
+
+Dependencies point one way: :mod:`lynx_transport._memory` (the network and the
+listeners) imports this module, never the reverse. What the sending side needs of a
+listener is a :class:`ListenerHooks` (the frames a sender sends, as callables the
+listener hands over), and of the network a :class:`NetworkHooks`; both are built by
+:mod:`lynx_transport._memory`, whose listeners in turn call the public methods of
+:class:`EgressCore`.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lynx_transport._memory_loop import CLOCK
-from lynx_transport._ucx import as_bytes_view
+from lynx_transport._views import as_bytes_view
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     ClosedError,
@@ -37,24 +45,55 @@ from lynx_transport.errors import (
 from lynx_transport.lanes import check_lane
 from lynx_transport.manifest import Manifest, RegionSpec, encode_manifest
 from lynx_transport.receive_stream import ReceiveStream
-from lynx_transport.scheduler import PriorityScheduler
+from lynx_transport.scheduler import Chunk, PriorityScheduler
 from lynx_transport.send_stream import SendStream
 from lynx_transport.shaper import Rate, Shaper
 from lynx_transport.state import StreamState
 
 if TYPE_CHECKING:
-    from lynx_transport._memory import MemoryListener, MemoryTransport
     from lynx_transport.seam import EgressLike, Sender
 
-__all__ = ["Conn", "EgressCore", "MemoryEgress", "MemorySender", "StreamEnds"]
+__all__ = ["EgressPeer", "EgressCore", "ListenerHooks", "MemoryEgress", "MemorySender", "NetworkHooks",
+           "StreamEnds"]
 
 _CONN_KEYS = itertools.count(1)  # scheduler peer keys and peer names, unique in the process
 
 
-class Conn:
+@dataclass(frozen=True)
+class ListenerHooks:
+    """What the sending side calls on the listener a connection goes to, on the network
+    thread: the frames a sender would send, one callable each (``MemoryListener`` builds it)."""
+
+    address: tuple[str, int]
+    #: A connection arrives (``ConnectError`` once the listener is closed) / leaves.
+    attach: Callable[[EgressPeer], None]
+    detach: Callable[[EgressPeer], None]
+    #: The OPEN frame: the manifest's bytes.
+    accept: Callable[[StreamEnds, bytes], None]
+    #: One chunk the scheduler picked, copied into the pool at once (``now``: the round's time).
+    deliver: Callable[[StreamEnds, Chunk, float], None]
+    #: The receiving end fails (a CANCEL frame, or the connection ends); False if it was done.
+    fail_rx: Callable[[StreamEnds, TransportError, StreamState], bool]
+    #: The stream is over on the sending side: no longer wait for pool space for it.
+    unwait: Callable[[StreamEnds], None]
+
+
+@dataclass(frozen=True)
+class NetworkHooks:
+    """What an egress needs of its network (``MemoryTransport`` builds it)."""
+
+    #: Join the network's round (any thread); returns the network thread's ``run(fn, timeout)``.
+    add_egress: Callable[[EgressCore], Callable[[Callable[[], Any], float], Any]]
+    #: Leave it: every connection is closed (any thread, waits at most ``timeout``).
+    remove_egress: Callable[[EgressCore, float], None]
+    #: The listener at an address, on the network thread (``ConnectError`` if nobody listens).
+    find: Callable[[tuple[str, int]], ListenerHooks]
+
+
+class EgressPeer:
     """One connection: a peer of an egress, to one listener; its own shaper and streams."""
 
-    def __init__(self, egress: EgressCore, listener: MemoryListener, shaper: Shaper) -> None:
+    def __init__(self, egress: EgressCore, listener: ListenerHooks, shaper: Shaper) -> None:
         self.key = next(_CONN_KEYS)
         self.peer = f"memory-sender-{self.key}"  # what the listener's streams call it
         self.egress, self.listener, self.shaper = egress, listener, shaper
@@ -66,7 +105,7 @@ class Conn:
 class StreamEnds:
     """Both ends of one stream: the sender's handle and buffers, the receiver's handle and counts."""
 
-    def __init__(self, conn: Conn, tx: SendStream, views: list[Any | None]) -> None:
+    def __init__(self, conn: EgressPeer, tx: SendStream, views: list[Any | None]) -> None:
         self.conn, self.tx, self.views = conn, tx, views
         self.supplied = [i for i, v in enumerate(views) if v is not None]  # in supply order
         self.accepted = self.cancelling = False
@@ -87,20 +126,20 @@ class EgressCore:
                                        shaper=self.shaper, policy=config.lane_policy)
         #: Stream ids for every connection of this egress (``next`` is atomic: any thread).
         self.ids = itertools.count(1)
-        self.conns: dict[int, Conn] = {}
+        self.conns: dict[int, EgressPeer] = {}
         self.closed = False
 
-    def attach(self, listener: MemoryListener, shaper: Shaper) -> Conn:
+    def attach(self, listener: ListenerHooks, shaper: Shaper) -> EgressPeer:
         if self.closed:
             raise ClosedError("the egress is closed")
-        conn = Conn(self, listener, shaper)
-        listener._attach(conn)  # ConnectError once the listener is closed
+        conn = EgressPeer(self, listener, shaper)
+        listener.attach(conn)  # ConnectError once the listener is closed
         self.conns[conn.key] = conn
         self.sched.add_peer(conn.key, shaper)
         return conn
 
     # -- the sender's side of a stream ---------------------------------------------------------
-    def open(self, conn: Conn, handle: SendStream, payload: bytes, views: list[Any | None]) -> None:
+    def open(self, conn: EgressPeer, handle: SendStream, payload: bytes, views: list[Any | None]) -> None:
         if conn.broken is not None:
             raise conn.broken
         s = StreamEnds(conn, handle, views)
@@ -108,7 +147,7 @@ class EgressCore:
         handle._cancel = lambda: self.cancel(s)
         handle._release_lane = lambda lane: self.release(s, lane)
         conn.streams[handle.stream_id] = s
-        conn.listener._accept(s, payload)  # the OPEN frame
+        conn.listener.accept(s, payload)  # the OPEN frame
 
     def supply(self, s: StreamEnds, i: int, buffer: Any) -> None:
         if s.tx.state.terminal:
@@ -144,13 +183,13 @@ class EgressCore:
         s.cancelling = True
         sid = s.tx.stream_id
         self.fail_tx(s, StreamCancelledError(f"stream {sid} was cancelled"), StreamState.CANCELLED)
-        s.conn.listener._fail_rx(s, StreamCancelledError(f"stream {sid} was cancelled by its sender"),
-                                 StreamState.CANCELLED)  # the CANCEL frame
+        s.conn.listener.fail_rx(s, StreamCancelledError(f"stream {sid} was cancelled by its sender"),
+                                StreamState.CANCELLED)  # the CANCEL frame
 
     def forget(self, s: StreamEnds) -> None:
         s.conn.streams.pop(s.tx.stream_id, None)
         self.sched.remove_stream(s.tx.stream_id)
-        s.conn.listener._unwait(s)
+        s.conn.listener.unwait(s)
         s.views = [None] * len(s.views)  # stop holding the caller's buffers
 
     def fail_tx(self, s: StreamEnds, exc: TransportError, state: StreamState = StreamState.FAILED) -> None:
@@ -169,22 +208,22 @@ class EgressCore:
         conn = self.conns.get(chunk.peer)
         s = conn.streams.get(chunk.stream_id) if conn is not None else None
         if s is not None:
-            s.conn.listener._deliver(s, chunk, now)
+            s.conn.listener.deliver(s, chunk, now)
         return True, None
 
     # -- endings ---------------------------------------------------------------------------------
-    def drop(self, conn: Conn, rx_exc: TransportError, tx_exc: TransportError) -> None:
+    def drop(self, conn: EgressPeer, rx_exc: TransportError, tx_exc: TransportError) -> None:
         """The connection ends: receiving ends fail with ``rx_exc``, sending ends with ``tx_exc``;
         it leaves the egress (peers, scheduler) and the listener."""
         if conn.broken is not None:
             return
         conn.broken = tx_exc
         for s in list(conn.streams.values()):
-            conn.listener._fail_rx(s, rx_exc, StreamState.FAILED)
+            conn.listener.fail_rx(s, rx_exc, StreamState.FAILED)
             self.fail_tx(s, tx_exc)
         self.conns.pop(conn.key, None)
         self.sched.remove_peer(conn.key)
-        conn.listener._detach(conn)
+        conn.listener.detach(conn)
 
     def close(self) -> None:
         self.closed = True
@@ -197,7 +236,7 @@ class MemorySender:
     """The sending side (:class:`lynx_transport.seam.Sender`); from ``MemoryTransport.connect``
     or :meth:`MemoryEgress.connect`."""
 
-    def __init__(self, egress: MemoryEgress, conn: Conn) -> None:
+    def __init__(self, egress: MemoryEgress, conn: EgressPeer) -> None:
         self.config = egress.config
         self._egress, self._conn = egress, conn
         self._run = egress._loop_run
@@ -277,14 +316,14 @@ class MemoryEgress:
     ``MemoryTransport.egress``. ``config`` applies to every connection made through
     it; its ``link_rate``/``lane_rates`` shape the egress as a whole."""
 
-    def __init__(self, network: MemoryTransport, config: TransportConfig | None = None, *,
+    def __init__(self, network: NetworkHooks, config: TransportConfig | None = None, *,
                  private: bool = False) -> None:
         self.config = config if config is not None else TransportConfig()
         self._network = network
         self._private = private  # MemoryTransport.connect's: one connection, which carries the rates
         link, lanes = (None, {}) if private else (self.config.link_rate, dict(self.config.lane_rates))
         self._core = EgressCore(self.config, link, lanes)
-        self._loop_run = network._add_egress(self._core)
+        self._loop_run = network.add_egress(self._core)
         self._closed = False
 
     def _call(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
@@ -300,7 +339,7 @@ class MemoryEgress:
         config = self.config
         shaper = (Shaper(CLOCK, config.link_rate, dict(config.lane_rates)) if self._private
                   else Shaper(CLOCK))
-        conn = self._call(lambda: self._core.attach(self._network._find(address), shaper), timeout)
+        conn = self._call(lambda: self._core.attach(self._network.find(address), shaper), timeout)
         return MemorySender(self, conn)
 
     def set_link_rate(self, rate: Rate | None) -> None:
@@ -316,7 +355,7 @@ class MemoryEgress:
         if self._closed:
             return
         self._closed = True
-        self._network._remove_egress(self._core, timeout)
+        self._network.remove_egress(self._core, timeout)
 
     def __enter__(self) -> MemoryEgress:
         return self

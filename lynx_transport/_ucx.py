@@ -22,8 +22,11 @@ import logging
 import os
 from typing import Any
 
+from lynx_transport._views import as_bytes_view
 from lynx_transport.errors import ConnectError, PeerDisconnectedError, ProtocolError, TransportError
 
+#: ``as_bytes_view`` lives in the pure :mod:`lynx_transport._views` (the in-memory twin uses it
+#: too); it stays importable from here for the UCX loops.
 __all__ = ["UcxWorker", "check", "cancel", "as_bytes_view", "ensure_cuda_context"]
 
 log = logging.getLogger("lynx_transport")
@@ -230,23 +233,6 @@ def _peer_errors(lib: Any) -> tuple[type, ...]:
     """UCX statuses that mean the other process is gone or unreachable."""
     return (lib.UCXIOError, lib.UCXConnectionResetError, lib.UCXEndpointTimeoutError,
             lib.UCXUnreachableError, lib.UCXNotConnectedError)
-
-
-def as_bytes_view(buffer: Any) -> Any:
-    """A flat ``uint8`` view of a contiguous host (buffer protocol) or CUDA array; no copy."""
-    if hasattr(buffer, "__cuda_array_interface__"):
-        import cupy  # noqa: PLC0415
-
-        arr = cupy.asarray(buffer)
-        if not arr.flags.c_contiguous:
-            raise ValueError("CUDA region buffers must be C-contiguous")
-        return arr.reshape(-1).view(cupy.uint8)
-    import numpy as np  # noqa: PLC0415
-
-    arr = np.asarray(memoryview(buffer)) if not isinstance(buffer, np.ndarray) else buffer
-    if not arr.flags.c_contiguous:
-        raise ValueError("region buffers must be C-contiguous")
-    return arr.reshape(-1).view(np.uint8)
 
 
 def ensure_cuda_context(device: int) -> None:
