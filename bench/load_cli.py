@@ -77,7 +77,7 @@ from lynx_bench.sweep_config import DEFAULT_PLANES, SCHEMES, LinkMode, parse_flo
 from lynx_decode.split_choice import DEFAULT_STEP_S, NO_SPLIT_STEPS, THREE_BIT_STEPS
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import ConfigError
-from lynx_transport.scheduler import LanePolicy
+from lynx_transport.protocol.scheduler import LanePolicy
 
 __all__ = ["add_arguments", "config_from_args", "lynx_planes", "scheme_names", "run", "run_load"]
 

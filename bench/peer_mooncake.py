@@ -36,7 +36,7 @@ def _engine(nbytes: int, touch: bool) -> tuple[Any, Any, int]:
     """An initialised engine with ``nbytes`` of registered host memory; (engine, buffer, address)."""
     # an optional peer engine, loaded in its own process only
     TransferEngine = importlib.import_module(ENGINES[Engine.MOONCAKE].module).TransferEngine
-    from lynx_transport.pool import host_buffer  # noqa: PLC0415
+    from lynx_transport.protocol.pool import host_buffer  # noqa: PLC0415
 
     engine = TransferEngine()
     if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
@@ -68,7 +68,7 @@ def mooncake_initiator(pipe: Pipe, nbytes: int) -> None:
     except ImportError as exc:
         pipe.send(("ok", {"unavailable": import_error(Engine.MOONCAKE, exc)}))
         return
-    from lynx_transport.pool import host_buffer  # noqa: PLC0415 - after _engine, like there
+    from lynx_transport.protocol.pool import host_buffer  # noqa: PLC0415 - after _engine, like there
 
     written = host_buffer(nbytes, touch=True)  # the *_written groups: what real data gets
     sources = {False: address, True: int(written.ctypes.data)}

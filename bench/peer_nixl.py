@@ -78,7 +78,7 @@ def _agent(name: str, tls: str, config: NixlConfig, nbytes: int, touch: bool,
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines would fill the table
     # an optional peer engine, loaded in its own process only
     nixl_cu12 = importlib.import_module(ENGINES[Engine.NIXL].module)
-    from lynx_transport.pool import host_buffer  # noqa: PLC0415
+    from lynx_transport.protocol.pool import host_buffer  # noqa: PLC0415
 
     agent = nixl_cu12.nixl_agent(name, nixl_cu12.nixl_agent_config(
         enable_prog_thread=config == NixlConfig.PROGRESS_THREAD, backends=["UCX"]))
@@ -120,7 +120,7 @@ def nixl_initiator(pipe: Pipe, nbytes: int, tls: str, config: NixlConfig,
     except ImportError as exc:
         pipe.send(("ok", {"unavailable": import_error(Engine.NIXL, exc)}))
         return
-    from lynx_transport.pool import host_buffer  # noqa: PLC0415 - after _agent, like there
+    from lynx_transport.protocol.pool import host_buffer  # noqa: PLC0415 - after _agent, like there
 
     written = host_buffer(nbytes, touch=True)  # the *_written groups: what real data gets
     sources = {False: address, True: int(written.ctypes.data)}

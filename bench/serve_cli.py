@@ -32,9 +32,9 @@ from lynx_bench.node_args import (
 )
 from lynx_transport.config import MIN_SECRET_BYTES, TransportConfig
 from lynx_transport.errors import ConfigError
-from lynx_transport.scheduler import LanePolicy
+from lynx_transport.protocol.scheduler import LanePolicy
+from lynx_transport.protocol.shaper import Rate
 from lynx_transport.seam import UCX, Transport
-from lynx_transport.shaper import Rate
 
 BURST_BYTES = 1 << 20  # as the prefill node's per-request shaping
 

@@ -51,7 +51,7 @@ def raw_ucxx_receiver(pipe: Pipe, nbytes: int, tls: str) -> None:
     from ucxx._lib.arr import Array  # noqa: PLC0415
 
     lib, _ctx, worker = _worker(tls)  # the context stays referenced while the worker runs
-    from lynx_transport.pool import host_buffer  # noqa: PLC0415
+    from lynx_transport.protocol.pool import host_buffer  # noqa: PLC0415
 
     buf = host_buffer(nbytes, touch=False)  # 2 MiB-aligned like a Lynx pool ...
     buf.fill(255)  # ... and pre-faulted: every page written once, here

@@ -35,12 +35,12 @@ from lynx_transport.connection import Connection, connect
 from lynx_transport.egress import Egress
 from lynx_transport.errors import LynxError, TransportError
 from lynx_transport.lanes import Lane
-from lynx_transport.pool import PoolMemory, ReceivePool
+from lynx_transport.protocol.pool import PoolMemory, ReceivePool
+from lynx_transport.protocol.scheduler import LanePolicy
+from lynx_transport.protocol.shaper import Rate
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.receiver import Receiver
-from lynx_transport.scheduler import LanePolicy
 from lynx_transport.send_stream import SendStream
-from lynx_transport.shaper import Rate
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneStats, TransportStats
 

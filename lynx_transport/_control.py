@@ -20,7 +20,7 @@ import socket
 import threading
 
 from lynx_transport.errors import PeerDisconnectedError
-from lynx_transport.wire import Frame, FrameDecoder, FrameType, OversizedFrame, encode_frame
+from lynx_transport.protocol.wire import Frame, FrameDecoder, FrameType, OversizedFrame, encode_frame
 
 __all__ = ["ControlSocket"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 
 from lynx_transport._control import ControlSocket
-from lynx_transport.clock import Clock
+from lynx_transport.protocol.clock import Clock
 
 __all__ = ["Heartbeats"]
 

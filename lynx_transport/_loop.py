@@ -46,8 +46,8 @@ from typing import Any
 from lynx_transport._heartbeat import Heartbeats
 from lynx_transport._threads import renice_current_thread
 from lynx_transport._ucx import UcxWorker
-from lynx_transport.clock import Clock
 from lynx_transport.errors import ClosedError, TransportTimeoutError
+from lynx_transport.protocol.clock import Clock
 
 __all__ = ["IoLoop"]
 

@@ -67,10 +67,10 @@ from lynx_transport.errors import (
     StreamFailedError,
     TransportError,
 )
-from lynx_transport.manifest import Manifest, decode_manifest
-from lynx_transport.pool import ReceivePool
+from lynx_transport.protocol.manifest import Manifest, decode_manifest
+from lynx_transport.protocol.pool import ReceivePool
+from lynx_transport.protocol.scheduler import Chunk
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
-from lynx_transport.scheduler import Chunk
 from lynx_transport.seam import ReceiverCallbacks
 from lynx_transport.state import StreamState
 

@@ -1,8 +1,8 @@
 """The sending side of the in-memory twin: :class:`MemoryEgress` and :class:`MemorySender`.
 
 As the UCX transport's :class:`~lynx_transport.egress.Egress`: an egress has ONE
-:class:`~lynx_transport.scheduler.PriorityScheduler` and ONE egress
-:class:`~lynx_transport.shaper.Shaper` for every connection made through it, so
+:class:`~lynx_transport.protocol.scheduler.PriorityScheduler` and ONE egress
+:class:`~lynx_transport.protocol.shaper.Shaper` for every connection made through it, so
 lane priority holds across all its peers (listeners) and within a lane
 ``TransportConfig.lane_policy`` orders the streams; each connection keeps a
 shaper of its own (its cap, ``MemorySender.set_link_rate``), registered with the
@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lynx_transport._memory_loop import CLOCK
-from lynx_transport._views import as_bytes_view
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     ClosedError,
@@ -43,11 +42,12 @@ from lynx_transport.errors import (
     TransportError,
 )
 from lynx_transport.lanes import check_lane
-from lynx_transport.manifest import Manifest, RegionSpec, encode_manifest
+from lynx_transport.protocol.manifest import Manifest, RegionSpec, encode_manifest
+from lynx_transport.protocol.scheduler import Chunk, PriorityScheduler
+from lynx_transport.protocol.shaper import Rate, Shaper
+from lynx_transport.protocol.views import as_bytes_view
 from lynx_transport.receive_stream import ReceiveStream
-from lynx_transport.scheduler import Chunk, PriorityScheduler
 from lynx_transport.send_stream import SendStream
-from lynx_transport.shaper import Rate, Shaper
 from lynx_transport.state import StreamState
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from lynx_transport.clock import Clock, MonotonicClock
 from lynx_transport.errors import TransportError, TransportTimeoutError
+from lynx_transport.protocol.clock import Clock, MonotonicClock
 
 __all__ = ["CLOCK", "NetLoop"]
 

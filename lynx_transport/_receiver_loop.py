@@ -15,13 +15,12 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lynx_transport import _auth, _ucx
+from lynx_transport import _ucx
 from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
 from lynx_transport._receiver_quarantine import Quarantine
 from lynx_transport._receiver_rail import RailLoop, cancel_receives, post_receives
 from lynx_transport._receiver_state import PostedChunk, RxPeer, RxStream
-from lynx_transport.clock import Clock
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     AuthenticationError,
@@ -35,13 +34,12 @@ from lynx_transport.errors import (
     StreamFailedError,
     TransportError,
 )
-from lynx_transport.manifest import Manifest, decode_manifest
-from lynx_transport.pool import ReceivePool
-from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
-from lynx_transport.shaper import Rate
-from lynx_transport.state import StreamState
-from lynx_transport.stats import LaneCounters, TransportStats
-from lynx_transport.wire import (
+from lynx_transport.protocol import auth
+from lynx_transport.protocol.clock import Clock
+from lynx_transport.protocol.manifest import Manifest, decode_manifest
+from lynx_transport.protocol.pool import ReceivePool
+from lynx_transport.protocol.shaper import Rate
+from lynx_transport.protocol.wire import (
     Frame,
     FrameType,
     OversizedFrame,
@@ -57,6 +55,9 @@ from lynx_transport.wire import (
     unpack_stream_text,
     unpack_u64,
 )
+from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
+from lynx_transport.state import StreamState
+from lynx_transport.stats import LaneCounters, TransportStats
 
 __all__ = ["RxLoop", "CALLBACKS"]
 
@@ -210,8 +211,8 @@ class RxLoop(IoLoop):
             raise ProtocolError(f"unexpected {t.name} frame from a sender")
 
     def on_handshake(self, conn: RxPeer, frame: Frame | OversizedFrame) -> None:
-        """HELLO [-> CHALLENGE, PROOF] -> WELCOME; see :mod:`lynx_transport._auth`."""
-        step = _auth.receiver_step(self.config.secret, conn.challenge, frame)
+        """HELLO [-> CHALLENGE, PROOF] -> WELCOME; see :mod:`lynx_transport.protocol.auth`."""
+        step = auth.receiver_step(self.config.secret, conn.challenge, frame)
         if step.deny is not None:
             self.deny(conn, step.deny)
         elif step.challenge is not None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lynx_transport.errors import TransportError
-from lynx_transport.pool import ReceivePool
+from lynx_transport.protocol.pool import ReceivePool
 
 __all__ = ["Quarantine", "QUARANTINE_S"]
 

@@ -22,12 +22,12 @@ from lynx_transport import _ucx
 from lynx_transport._loop import IoLoop
 from lynx_transport._receiver_state import PostedChunk, RxStream
 from lynx_transport._ucx import UcxWorker
-from lynx_transport.clock import Clock
 from lynx_transport.errors import TransportError
-from lynx_transport.manifest import Manifest
-from lynx_transport.pool import ReceivePool
+from lynx_transport.protocol.clock import Clock
+from lynx_transport.protocol.manifest import Manifest
+from lynx_transport.protocol.pool import ReceivePool
+from lynx_transport.protocol.wire import rail_of
 from lynx_transport.receive_stream import ReceivedRegion
-from lynx_transport.wire import rail_of
 
 __all__ = ["RailLoop", "post_receives", "cancel_receives"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from lynx_transport._control import ControlSocket
 from lynx_transport.errors import ProtocolError
-from lynx_transport.pool import ReceivePool
+from lynx_transport.protocol.pool import ReceivePool
 from lynx_transport.receive_stream import ReceiveStream
 
 __all__ = ["PostedChunk", "LaneQueue", "RxStream", "RxPeer", "COMPLETED_MEMORY"]

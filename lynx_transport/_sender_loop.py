@@ -36,7 +36,6 @@ from lynx_transport import _ucx
 from lynx_transport._control import ControlSocket
 from lynx_transport._loop import IoLoop
 from lynx_transport._ucx import UcxWorker
-from lynx_transport.clock import Clock
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     ClosedError,
@@ -49,12 +48,11 @@ from lynx_transport.errors import (
     TransportError,
 )
 from lynx_transport.lanes import MAX_LANES
-from lynx_transport.scheduler import Chunk, PriorityScheduler
-from lynx_transport.send_stream import SendStream
-from lynx_transport.shaper import Rate, Shaper
-from lynx_transport.state import StreamState
-from lynx_transport.stats import LaneCounters, TransportStats
-from lynx_transport.wire import (
+from lynx_transport.protocol.clock import Clock
+from lynx_transport.protocol.scheduler import Chunk, PriorityScheduler
+from lynx_transport.protocol.shaper import Rate, Shaper
+from lynx_transport.protocol.views import as_bytes_view
+from lynx_transport.protocol.wire import (
     Frame,
     FrameType,
     OversizedFrame,
@@ -68,6 +66,9 @@ from lynx_transport.wire import (
     unpack_stream_token,
     unpack_u64,
 )
+from lynx_transport.send_stream import SendStream
+from lynx_transport.state import StreamState
+from lynx_transport.stats import LaneCounters, TransportStats
 
 __all__ = ["Peer", "SenderLoop", "GRACE_S"]
 
@@ -280,7 +281,7 @@ class SenderLoop(IoLoop):
             raise tx.handle.exception() or ClosedError(f"stream {tx.handle.stream_id} is finished")
         if tx.views[i] is not None:
             raise ValueError(f"region {tx.handle.manifest.regions[i].name!r} was already supplied")
-        view = _ucx.as_bytes_view(buffer)
+        view = as_bytes_view(buffer)
         spec = tx.handle.manifest.regions[i]
         if view.nbytes != spec.nbytes:
             raise ValueError(f"region {spec.name!r} is {spec.nbytes} bytes in the manifest, "

@@ -22,12 +22,9 @@ import logging
 import os
 from typing import Any
 
-from lynx_transport._views import as_bytes_view
 from lynx_transport.errors import ConnectError, PeerDisconnectedError, ProtocolError, TransportError
 
-#: ``as_bytes_view`` lives in the pure :mod:`lynx_transport._views` (the in-memory twin uses it
-#: too); it stays importable from here for the UCX loops.
-__all__ = ["UcxWorker", "check", "cancel", "as_bytes_view", "ensure_cuda_context"]
+__all__ = ["UcxWorker", "check", "cancel", "ensure_cuda_context"]
 
 log = logging.getLogger("lynx_transport")
 

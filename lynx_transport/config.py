@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from lynx_transport.lanes import check_lane
-from lynx_transport.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ManifestLimits
-from lynx_transport.scheduler import LanePolicy
-from lynx_transport.shaper import Rate
-from lynx_transport.wire import MAX_RAILS
+from lynx_transport.protocol.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ManifestLimits
+from lynx_transport.protocol.scheduler import LanePolicy
+from lynx_transport.protocol.shaper import Rate
+from lynx_transport.protocol.wire import MAX_RAILS
 
 __all__ = ["TransportConfig", "MIN_SECRET_BYTES"]
 
@@ -81,7 +81,7 @@ class TransportConfig:
     secret:
         Optional shared secret (bytes, at least :data:`MIN_SECRET_BYTES`;
         default ``None``). When set, the handshake is a mutual HMAC-SHA256
-        challenge-response (:mod:`lynx_transport._auth`): a receiver refuses
+        challenge-response (:mod:`lynx_transport.protocol.auth`): a receiver refuses
         (``DENIED``, logged with the peer address) a sender without it before
         exposing its UCX worker address or any pool memory, and a sender
         refuses (``AuthenticationError``) a receiver that cannot prove it.

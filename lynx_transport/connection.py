@@ -32,10 +32,8 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from lynx_transport import _auth, _ucx
 from lynx_transport._sender_loop import Peer, SenderLoop
 from lynx_transport._ucx import UcxWorker
-from lynx_transport.clock import Clock, MonotonicClock
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     AuthenticationError,
@@ -45,11 +43,12 @@ from lynx_transport.errors import (
     TransportError,
 )
 from lynx_transport.lanes import check_lane
-from lynx_transport.manifest import Manifest, RegionSpec, encode_manifest
-from lynx_transport.send_stream import SendStream
-from lynx_transport.shaper import Rate, Shaper
-from lynx_transport.stats import TransportStats
-from lynx_transport.wire import (
+from lynx_transport.protocol import auth
+from lynx_transport.protocol.clock import Clock, MonotonicClock
+from lynx_transport.protocol.manifest import Manifest, RegionSpec, encode_manifest
+from lynx_transport.protocol.shaper import Rate, Shaper
+from lynx_transport.protocol.views import as_bytes_view
+from lynx_transport.protocol.wire import (
     NONCE_BYTES,
     Frame,
     FrameDecoder,
@@ -62,6 +61,8 @@ from lynx_transport.wire import (
     unpack_stream_text,
     unpack_welcome,
 )
+from lynx_transport.send_stream import SendStream
+from lynx_transport.stats import TransportStats
 
 __all__ = ["Connection", "connect"]
 
@@ -116,7 +117,7 @@ class Connection:
             if len(item) != 3:
                 raise ValueError(f"regions are (name, buffer, lane) tuples, got {item!r}")
             name, buffer, lane = item
-            view = _ucx.as_bytes_view(buffer)
+            view = as_bytes_view(buffer)
             views.append(view)
             specs.append(RegionSpec(name, int(view.nbytes), lane))
         return self._open(tuple(specs), views, metadata, timeout, hold)
@@ -191,7 +192,7 @@ class Connection:
 
 def _handshake(sock: socket.socket, deadline: float, clock: Clock,
                secret: bytes | None) -> tuple[tuple[bytes, ...], Rate | None, WelcomeFlags]:
-    """HELLO -> [CHALLENGE -> PROOF ->] WELCOME; see :mod:`lynx_transport._auth`."""
+    """HELLO -> [CHALLENGE -> PROOF ->] WELCOME; see :mod:`lynx_transport.protocol.auth`."""
     nonce_s = secrets.token_bytes(NONCE_BYTES)
     flags = HelloFlags.AUTH if secret is not None else HelloFlags.NONE
     sock.sendall(encode_frame(FrameType.HELLO, pack_hello(flags, nonce_s)))
@@ -213,11 +214,11 @@ def _handshake(sock: socket.socket, deadline: float, clock: Clock,
                 raise AuthenticationError(f"the receiver refused authentication: {text}")
             if frame.type is FrameType.CHALLENGE and secret is not None and not proved:
                 nonce_r, mac_r = unpack_challenge(frame.payload)
-                if not _auth.verify(_auth.receiver_mac(secret, nonce_s, nonce_r), mac_r):
+                if not auth.verify(auth.receiver_mac(secret, nonce_s, nonce_r), mac_r):
                     raise AuthenticationError("the receiver failed to prove the shared secret "
                                               "(wrong secret, or not a Lynx receiver)")
                 proved = True
-                sock.sendall(encode_frame(FrameType.PROOF, _auth.sender_mac(secret, nonce_r, nonce_s)))
+                sock.sendall(encode_frame(FrameType.PROOF, auth.sender_mac(secret, nonce_r, nonce_s)))
                 continue
             if frame.type is FrameType.HEARTBEAT:  # a sign of life, never an error
                 continue

@@ -10,8 +10,8 @@ Usage (a prefill node serving several decode nodes)::
         sb = b.send_stream([("k", k_anchor2, Lane.ANCHOR)])  # overtakes a's residual
 
 Threads: an egress has one I/O thread (``lynx-tx-io``, :mod:`lynx_transport._sender_loop`)
-with one UCX worker, one :class:`~lynx_transport.scheduler.PriorityScheduler`
-and one egress :class:`~lynx_transport.shaper.Shaper` for every connection
+with one UCX worker, one :class:`~lynx_transport.protocol.scheduler.PriorityScheduler`
+and one egress :class:`~lynx_transport.protocol.shaper.Shaper` for every connection
 made through it. Lane priority therefore holds across every stream and every
 peer: no residual chunk for any peer leaves while an anchor chunk for any peer
 is ready (within the one bytes-in-flight bound, ``max_inflight_bytes``, of the
@@ -39,12 +39,12 @@ from typing import Any
 
 from lynx_transport._sender_loop import SenderLoop
 from lynx_transport._ucx import UcxWorker
-from lynx_transport.clock import Clock, MonotonicClock
 from lynx_transport.config import TransportConfig
 from lynx_transport.connection import Connection, attach, open_control
 from lynx_transport.errors import ClosedError
 from lynx_transport.lanes import check_lane
-from lynx_transport.shaper import Rate
+from lynx_transport.protocol.clock import Clock, MonotonicClock
+from lynx_transport.protocol.shaper import Rate
 from lynx_transport.stats import TransportStats
 
 __all__ = ["Egress"]

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lynx_transport.errors import TransportError
-from lynx_transport.manifest import Manifest
-from lynx_transport.pool import ReceivePool
+from lynx_transport.protocol.manifest import Manifest
+from lynx_transport.protocol.pool import ReceivePool
 from lynx_transport.state import Completion, StreamState
 
 __all__ = ["ReceivedRegion", "ReceiveStream"]

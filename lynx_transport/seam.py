@@ -53,12 +53,12 @@ from lynx_transport.config import TransportConfig
 from lynx_transport.connection import connect
 from lynx_transport.egress import Egress
 from lynx_transport.errors import TransportError
-from lynx_transport.manifest import RegionSpec
-from lynx_transport.pool import ReceivePool
+from lynx_transport.protocol.manifest import RegionSpec
+from lynx_transport.protocol.pool import ReceivePool
+from lynx_transport.protocol.shaper import Rate
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.receiver import Receiver
 from lynx_transport.send_stream import SendStream
-from lynx_transport.shaper import Rate
 
 __all__ = ["UCX", "EgressLike", "Listener", "ReceiverCallbacks", "Sender", "Transport",
            "UcxTransport"]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lynx_transport.errors import TransportError
-from lynx_transport.manifest import Manifest
+from lynx_transport.protocol.manifest import Manifest
 from lynx_transport.state import Completion, StreamState
 
 __all__ = ["SendStream"]

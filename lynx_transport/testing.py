@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from lynx_transport._memory import MemoryTransport
-from lynx_transport.pool import host_buffer
-from lynx_transport.wire import rail_of
+from lynx_transport.protocol.pool import host_buffer
+from lynx_transport.protocol.views import as_bytes_view
+from lynx_transport.protocol.wire import rail_of
 
 __all__ = ["pattern", "WRITTEN_ZEROS", "UNTOUCHED", "PeerFailed", "PeerProcess", "sender_server",
            "receiver_server", "prioritise_thread", "RawPeer", "RawDataPath", "wait_until",
@@ -46,7 +47,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
 def fake_receiver(worker_address: bytes) -> Iterator[tuple[str, int]]:
     """A control-channel listener that answers the first HELLO with a WELCOME
     carrying ``worker_address`` (a hostile or broken receiver); yields its address."""
-    from lynx_transport.wire import FrameType, encode_frame, pack_welcome  # noqa: PLC0415
+    from lynx_transport.protocol.wire import FrameType, encode_frame, pack_welcome  # noqa: PLC0415
 
     with socket.socket() as fake:
         fake.bind(("127.0.0.1", 0))
@@ -178,7 +179,7 @@ class PeerProcess:
 
 
 def _rate(spec: tuple[float, int] | None) -> Any:
-    from lynx_transport.shaper import Rate  # noqa: PLC0415
+    from lynx_transport.protocol.shaper import Rate  # noqa: PLC0415
 
     return None if spec is None else Rate(spec[0], spec[1])
 
@@ -336,7 +337,7 @@ def receiver_server(pipe: multiprocessing.connection.Connection, pool_bytes: int
     Requests: ``("next", timeout)`` waits for the next stream to complete and
     returns ``{name: bytes.hex() of the first 16 bytes}``; ``("exit",)``.
     """
-    from lynx_transport.pool import ReceivePool  # noqa: PLC0415
+    from lynx_transport.protocol.pool import ReceivePool  # noqa: PLC0415
     from lynx_transport.receiver import Receiver  # noqa: PLC0415
 
     with Receiver(ReceivePool(pool_bytes), config=config) as rx:
@@ -363,7 +364,7 @@ class RawPeer:
     """
 
     def __init__(self, address: tuple[str, int], timeout: float = 5.0) -> None:
-        from lynx_transport.wire import FrameDecoder  # noqa: PLC0415
+        from lynx_transport.protocol.wire import FrameDecoder  # noqa: PLC0415
 
         self.sock = socket.create_connection(address, timeout=timeout)
         self.decoder = FrameDecoder(1 << 20)
@@ -371,7 +372,7 @@ class RawPeer:
         self.received = bytearray()
 
     def send(self, ftype: Any, payload: bytes = b"") -> None:
-        from lynx_transport.wire import encode_frame  # noqa: PLC0415
+        from lynx_transport.protocol.wire import encode_frame  # noqa: PLC0415
 
         self.sock.sendall(encode_frame(ftype, payload))
 
@@ -408,14 +409,14 @@ class RawPeer:
         """HELLO (and PROOF when ``secret``) until WELCOME; returns the WELCOME frame."""
         import secrets as _secrets  # noqa: PLC0415
 
-        from lynx_transport import _auth  # noqa: PLC0415
-        from lynx_transport.wire import FrameType, HelloFlags, pack_hello, unpack_challenge  # noqa: PLC0415
+        from lynx_transport.protocol import auth  # noqa: PLC0415
+        from lynx_transport.protocol.wire import FrameType, HelloFlags, pack_hello, unpack_challenge  # noqa: PLC0415
 
         nonce = _secrets.token_bytes(32)
         self.send(FrameType.HELLO, pack_hello(HelloFlags.AUTH if secret else HelloFlags.NONE, nonce))
         if secret is not None:
             nonce_r, _ = unpack_challenge(self.expect(FrameType.CHALLENGE).payload)
-            self.send(FrameType.PROOF, _auth.sender_mac(secret, nonce_r, nonce))
+            self.send(FrameType.PROOF, auth.sender_mac(secret, nonce_r, nonce))
         return self.expect(FrameType.WELCOME)
 
     def close(self) -> None:
@@ -448,7 +449,7 @@ class RawDataPath:
 
     def send(self, tag: int, data: Any, timeout: float = 5.0) -> None:
         """Send ``data`` with ``tag`` and progress until UCX has taken it (or ``timeout``)."""
-        from lynx_transport._ucx import as_bytes_view, check  # noqa: PLC0415
+        from lynx_transport._ucx import check  # noqa: PLC0415
 
         view = as_bytes_view(data)
         # the tag's low 32 bits are the chunk index

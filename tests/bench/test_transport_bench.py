@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from lynx_transport import Lane, Rate, ReceivePool, Receiver, TransportConfig
-from lynx_transport.clock import MonotonicClock
-from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, decode_manifest, encode_manifest
-from lynx_transport.scheduler import PriorityScheduler
-from lynx_transport.shaper import Shaper
+from lynx_transport.protocol.clock import MonotonicClock
+from lynx_transport.protocol.manifest import Manifest, ManifestLimits, RegionSpec, decode_manifest, encode_manifest
+from lynx_transport.protocol.scheduler import PriorityScheduler
+from lynx_transport.protocol.shaper import Shaper
 from lynx_transport.testing import WRITTEN_ZEROS, PeerProcess, sender_server
 
 pytestmark = pytest.mark.bench

@@ -23,8 +23,8 @@ import pytest
 
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, _ucx
 from lynx_transport.errors import LynxError
+from lynx_transport.protocol.wire import FrameType
 from lynx_transport.testing import PeerProcess, RawPeer, pattern, sender_server, wait_until
-from lynx_transport.wire import FrameType
 
 pytestmark = [pytest.mark.ucx, pytest.mark.slow]
 

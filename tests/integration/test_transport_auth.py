@@ -9,8 +9,8 @@ import pytest
 
 from lynx_transport import Lane, ReceivePool, Receiver, TransportConfig, connect
 from lynx_transport.errors import AuthenticationError, TransportTimeoutError
+from lynx_transport.protocol.wire import FrameType, HelloFlags, encode_frame, pack_hello, unpack_challenge
 from lynx_transport.testing import RawPeer, fake_receiver, pattern
-from lynx_transport.wire import FrameType, HelloFlags, encode_frame, pack_hello, unpack_challenge
 
 pytestmark = pytest.mark.ucx
 

@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect, wire
+from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
 from lynx_transport.errors import ClosedError, ConnectError, PeerDisconnectedError, StreamCancelledError
-from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
-from lynx_transport.shaper import Rate
-from lynx_transport.testing import PeerProcess, fake_receiver, pattern, receiver_server, sender_server
-from lynx_transport.wire import (
+from lynx_transport.protocol import wire
+from lynx_transport.protocol.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
+from lynx_transport.protocol.shaper import Rate
+from lynx_transport.protocol.wire import (
     FrameDecoder,
     FrameType,
     RejectReason,
@@ -26,6 +26,7 @@ from lynx_transport.wire import (
     unpack_stream_text,
     unpack_stream_token,
 )
+from lynx_transport.testing import PeerProcess, fake_receiver, pattern, receiver_server, sender_server
 
 pytestmark = pytest.mark.ucx
 

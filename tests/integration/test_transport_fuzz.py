@@ -34,12 +34,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect, wire
+from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
 from lynx_transport.errors import LynxError
-from lynx_transport.manifest import ManifestLimits, decode_manifest
-from lynx_transport.pool import ALIGNMENT
+from lynx_transport.protocol import wire
+from lynx_transport.protocol.manifest import ManifestLimits, decode_manifest
+from lynx_transport.protocol.pool import ALIGNMENT
+from lynx_transport.protocol.wire import Frame, FrameDecoder, FrameType, encode_frame
 from lynx_transport.testing import RawDataPath, RawPeer, pattern
-from lynx_transport.wire import Frame, FrameDecoder, FrameType, encode_frame
 
 pytestmark = pytest.mark.ucx
 

@@ -16,9 +16,9 @@ import pytest
 
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
 from lynx_transport.errors import ProtocolError
-from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
+from lynx_transport.protocol.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
+from lynx_transport.protocol.wire import FrameType, pack_chunk_sum, unpack_stream_token, unpack_welcome
 from lynx_transport.testing import RawDataPath, RawPeer, pattern
-from lynx_transport.wire import FrameType, pack_chunk_sum, unpack_stream_token, unpack_welcome
 
 pytestmark = pytest.mark.ucx
 
@@ -192,7 +192,13 @@ def test_a_receivers_bogus_lane_confirmation_breaks_the_connection(lane: int, me
     import threading
 
     from lynx_transport._ucx import UcxWorker
-    from lynx_transport.wire import FrameDecoder, encode_frame, pack_stream_lane, pack_stream_token, pack_welcome
+    from lynx_transport.protocol.wire import (
+        FrameDecoder,
+        encode_frame,
+        pack_stream_lane,
+        pack_stream_token,
+        pack_welcome,
+    )
 
     with socket.socket() as fake:
         fake.bind(("127.0.0.1", 0))

@@ -329,8 +329,8 @@ def test_holding_a_lane_no_region_travels_on_is_refused(loopback) -> None:
 
 @pytest.mark.parametrize("rails", [1, 3])
 def test_receive_rails_each_take_their_share_and_stop_with_the_receiver(rails) -> None:
+    from lynx_transport.protocol.wire import unpack_welcome
     from lynx_transport.testing import RawPeer
-    from lynx_transport.wire import unpack_welcome
 
     others = {t for t in threading.enumerate() if t.name.startswith("lynx-rx-rail")}
 

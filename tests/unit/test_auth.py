@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from lynx_transport import TransportConfig, _auth, wire
+from lynx_transport import TransportConfig
 from lynx_transport.errors import ProtocolError
+from lynx_transport.protocol import auth, wire
 
 SECRET = b"s" * 32
 
 
 def test_macs_are_direction_bound_and_verify_in_constant_time_helper() -> None:
     ns, nr = bytes(range(32)), bytes(range(32, 64))
-    rx = _auth.receiver_mac(SECRET, ns, nr)
-    tx = _auth.sender_mac(SECRET, nr, ns)
+    rx = auth.receiver_mac(SECRET, ns, nr)
+    tx = auth.sender_mac(SECRET, nr, ns)
     assert rx != tx  # a receiver's proof cannot be reflected as a sender's
-    assert _auth.verify(rx, _auth.receiver_mac(SECRET, ns, nr))
-    assert not _auth.verify(rx, _auth.receiver_mac(b"t" * 32, ns, nr))
-    assert not _auth.verify(rx, rx[:-1])
-    assert not _auth.verify(tx, _auth.sender_mac(SECRET, ns, nr))  # nonces swapped
+    assert auth.verify(rx, auth.receiver_mac(SECRET, ns, nr))
+    assert not auth.verify(rx, auth.receiver_mac(b"t" * 32, ns, nr))
+    assert not auth.verify(rx, rx[:-1])
+    assert not auth.verify(tx, auth.sender_mac(SECRET, ns, nr))  # nonces swapped
 
 
 def test_secret_is_never_in_the_config_repr_and_must_be_long_enough() -> None:
@@ -106,8 +107,8 @@ def test_a_heartbeat_before_the_welcome_is_a_sign_of_life_not_an_error() -> None
     import socket
     import threading
 
-    from lynx_transport.clock import MonotonicClock
     from lynx_transport.connection import _handshake
+    from lynx_transport.protocol.clock import MonotonicClock
 
     ours, theirs = socket.socketpair()
 

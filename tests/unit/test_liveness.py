@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from lynx_transport import _auth
 from lynx_transport._control import ControlSocket
 from lynx_transport._heartbeat import Heartbeats
-from lynx_transport.clock import MonotonicClock
 from lynx_transport.errors import PeerDisconnectedError, ProtocolError
-from lynx_transport.wire import (
+from lynx_transport.protocol import auth
+from lynx_transport.protocol.clock import MonotonicClock
+from lynx_transport.protocol.wire import (
     NONCE_BYTES,
     Frame,
     FrameDecoder,
@@ -133,25 +133,25 @@ def hello(flags: HelloFlags, nonce: bytes = b"n" * NONCE_BYTES) -> Frame:
 
 
 def test_receiver_steps_without_a_secret() -> None:
-    assert _auth.receiver_step(None, None, hello(HelloFlags.NONE)).welcome
-    assert _auth.receiver_step(None, None, hello(HelloFlags.AUTH)).welcome
+    assert auth.receiver_step(None, None, hello(HelloFlags.NONE)).welcome
+    assert auth.receiver_step(None, None, hello(HelloFlags.AUTH)).welcome
     with pytest.raises(ProtocolError, match="must be HELLO"):
-        _auth.receiver_step(None, None, Frame(FrameType.OPEN, b""))
+        auth.receiver_step(None, None, Frame(FrameType.OPEN, b""))
 
 
 def test_receiver_steps_with_a_secret() -> None:
     nonce_s = b"n" * NONCE_BYTES
-    assert "requires a shared secret" in (_auth.receiver_step(SECRET, None, hello(HelloFlags.NONE))
+    assert "requires a shared secret" in (auth.receiver_step(SECRET, None, hello(HelloFlags.NONE))
                                           .deny or "")
-    step = _auth.receiver_step(SECRET, None, hello(HelloFlags.AUTH, nonce_s))
+    step = auth.receiver_step(SECRET, None, hello(HelloFlags.AUTH, nonce_s))
     assert step.challenge is not None and step.challenge[0] == nonce_s and not step.welcome
     nonce_r, mac = unpack_challenge(step.challenge_payload)
     assert nonce_r == step.challenge[1]
-    assert _auth.verify(_auth.receiver_mac(SECRET, nonce_s, nonce_r), mac)
-    proof = Frame(FrameType.PROOF, _auth.sender_mac(SECRET, nonce_r, nonce_s))
-    assert _auth.receiver_step(SECRET, step.challenge, proof).welcome
-    wrong = Frame(FrameType.PROOF, _auth.sender_mac(b"t" * 32, nonce_r, nonce_s))
-    assert _auth.receiver_step(SECRET, step.challenge, wrong).deny == "wrong shared secret"
+    assert auth.verify(auth.receiver_mac(SECRET, nonce_s, nonce_r), mac)
+    proof = Frame(FrameType.PROOF, auth.sender_mac(SECRET, nonce_r, nonce_s))
+    assert auth.receiver_step(SECRET, step.challenge, proof).welcome
+    wrong = Frame(FrameType.PROOF, auth.sender_mac(b"t" * 32, nonce_r, nonce_s))
+    assert auth.receiver_step(SECRET, step.challenge, wrong).deny == "wrong shared secret"
     # a second HELLO, or anything else, before the proof is refused
-    assert _auth.receiver_step(SECRET, step.challenge, hello(HelloFlags.AUTH)).deny
-    assert _auth.receiver_step(SECRET, None, Frame(FrameType.OPEN, b"")).deny
+    assert auth.receiver_step(SECRET, step.challenge, hello(HelloFlags.AUTH)).deny
+    assert auth.receiver_step(SECRET, None, Frame(FrameType.OPEN, b"")).deny

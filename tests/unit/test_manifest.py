@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lynx_transport.errors import ManifestError
 from lynx_transport.lanes import MAX_LANES, Lane
-from lynx_transport.manifest import Manifest, ManifestLimits, RegionSpec, decode_manifest, encode_manifest
+from lynx_transport.protocol.manifest import Manifest, ManifestLimits, RegionSpec, decode_manifest, encode_manifest
 
 LIMITS = ManifestLimits()
 

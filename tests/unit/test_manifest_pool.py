@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lynx_transport.errors import PoolExhaustedError
-from lynx_transport.pool import ALIGNMENT, ReceivePool
+from lynx_transport.protocol.pool import ALIGNMENT, ReceivePool
 
 
 def test_views_are_inside_the_pool_and_not_copies() -> None:

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lynx_transport.clock import VirtualClock
 from lynx_transport.lanes import Lane
-from lynx_transport.scheduler import Chunk, LanePolicy, PriorityScheduler
-from lynx_transport.shaper import Rate, Shaper
+from lynx_transport.protocol.clock import VirtualClock
+from lynx_transport.protocol.scheduler import Chunk, LanePolicy, PriorityScheduler
+from lynx_transport.protocol.shaper import Rate, Shaper
 
 KB = 1024
 

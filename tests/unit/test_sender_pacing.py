@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 
 from lynx_transport import Lane, Rate
-from lynx_transport.clock import VirtualClock
-from lynx_transport.scheduler import Chunk, PriorityScheduler
-from lynx_transport.shaper import Shaper
+from lynx_transport.protocol.clock import VirtualClock
+from lynx_transport.protocol.scheduler import Chunk, PriorityScheduler
+from lynx_transport.protocol.shaper import Shaper
 
 KB = 1024
 CHUNK = 256 * KB

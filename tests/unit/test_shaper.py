@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lynx_transport.clock import VirtualClock
 from lynx_transport.lanes import Lane
-from lynx_transport.shaper import Rate, Shaper, TokenBucket
+from lynx_transport.protocol.clock import VirtualClock
+from lynx_transport.protocol.shaper import Rate, Shaper, TokenBucket
 
 
 def drain(bucket: TokenBucket, clock: VirtualClock, chunk: int, total: int) -> float:

@@ -32,9 +32,9 @@ from lynx_transport.errors import (
     TransportError,
     TransportTimeoutError,
 )
-from lynx_transport.manifest import ManifestLimits
+from lynx_transport.protocol.manifest import ManifestLimits
+from lynx_transport.protocol.shaper import Rate
 from lynx_transport.seam import EgressLike, Listener, ReceiverCallbacks, Sender, Transport
-from lynx_transport.shaper import Rate
 from lynx_transport.testing import pattern, wait_until
 
 CHUNK = 64 << 10

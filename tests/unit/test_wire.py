@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lynx_transport import wire
 from lynx_transport.errors import ProtocolError
-from lynx_transport.wire import FrameDecoder, FrameType, OversizedFrame, encode_frame
+from lynx_transport.protocol import wire
+from lynx_transport.protocol.wire import FrameDecoder, FrameType, OversizedFrame, encode_frame
 
 
 def decode_all(decoder: FrameDecoder, data: bytes, step: int) -> list:

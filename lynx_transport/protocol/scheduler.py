@@ -30,7 +30,7 @@ scheduler (an egress numbers the streams of all its connections from one
 counter); peer keys are any hashable values (``None``: no peer of its own).
 
 Not thread-safe: the transport's I/O thread owns it. Tests drive it with a
-:class:`~lynx_transport.clock.VirtualClock`.
+:class:`~lynx_transport.protocol.clock.VirtualClock`.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ import functools
 import itertools
 from collections.abc import Callable, Hashable
 
-from lynx_transport.clock import Clock
 from lynx_transport.lanes import MAX_LANES, check_lane
-from lynx_transport.shaper import Shaper
+from lynx_transport.protocol.clock import Clock
+from lynx_transport.protocol.shaper import Shaper
 
 __all__ = ["Chunk", "LanePolicy", "PriorityScheduler", "chunk_count"]
 

@@ -24,7 +24,7 @@ import hmac
 import secrets
 
 from lynx_transport.errors import ProtocolError
-from lynx_transport.wire import (
+from lynx_transport.protocol.wire import (
     MAC_BYTES,
     NONCE_BYTES,
     Frame,

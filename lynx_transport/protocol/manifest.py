@@ -20,7 +20,7 @@ import struct
 
 from lynx_transport.errors import ManifestError
 from lynx_transport.lanes import MAX_LANES
-from lynx_transport.scheduler import chunk_count
+from lynx_transport.protocol.scheduler import chunk_count
 
 __all__ = ["RegionSpec", "Manifest", "ManifestLimits", "encode_manifest", "decode_manifest"]
 

@@ -283,7 +283,7 @@ def unpack_welcome(payload: bytes) -> tuple[tuple[bytes, ...], float, int, Welco
     return tuple(addrs), gbps, burst, flags
 
 
-# -- handshake (see lynx_transport._auth) -------------------------------------------
+# -- handshake (see lynx_transport.protocol.auth) -------------------------------------
 NONCE_BYTES = 32
 MAC_BYTES = 32
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lynx_transport.clock import Clock
 from lynx_transport.lanes import check_lane
+from lynx_transport.protocol.clock import Clock
 
 __all__ = ["Rate", "TokenBucket", "Shaper"]
 
