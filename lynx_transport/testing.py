@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from lynx_transport._memory import MemoryTransport
+from lynx_transport.memory.transport import MemoryTransport
 from lynx_transport.protocol.pool import host_buffer
 from lynx_transport.protocol.views import as_bytes_view
 from lynx_transport.protocol.wire import rail_of

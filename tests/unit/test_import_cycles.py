@@ -4,7 +4,7 @@ installed packages, built from their source (AST, nothing imported), must be acy
 Every import counts, a module-level one or one deferred into a function (a deferred import
 hides a cycle from the interpreter, not from a reader). A second check counts the imports
 under ``if TYPE_CHECKING:`` too: a type-only import back is still two modules that know each
-other's insides (``_memory_egress`` once named ``MemoryListener`` that way; it now takes
+other's insides (``memory.egress`` once named ``MemoryListener`` that way; it now takes
 ``ListenerHooks``). An import of a package counts as an edge to its ``__init__``;
 ``from pkg import name`` to the submodule ``pkg.name`` when there is one.
 """

@@ -1,6 +1,6 @@
 """The in-memory network's one thread: runs a step function and the calls handed to it.
 
-:class:`NetLoop` is the concurrency model of :mod:`lynx_transport._memory`
+:class:`NetLoop` is the concurrency model of :mod:`lynx_transport.memory.transport`
 (threads + futures, as :mod:`lynx_transport._loop`): one thread
 (``lynx-mem-net``) owns every bit of state of one ``MemoryTransport`` - its
 listeners, its egresses, their connections and both ends of every stream -

@@ -7,14 +7,14 @@ driven through their ``Completion`` and the hooks the UCX I/O loops set), the
 opens, the listener's when it admits), an egress's one ``PriorityScheduler`` and
 ``Shaper`` shared by its connections, each connection's own ``Shaper`` (strict
 lane priority across all of an egress's peers, the lane policy within a lane,
-pacing; :mod:`lynx_transport._memory_egress`) and a ``Dispatcher`` for
+pacing; :mod:`lynx_transport.memory.egress`) and a ``Dispatcher`` for
 callbacks. Each event raises the class (and message) the UCX transport raises
 for it. Addresses are ``(host, port)`` within one instance.
 
 Layout: this module is the network (:class:`MemoryTransport`: its listeners and
 egresses, the thread's round) and the receiving side (:class:`MemoryListener`);
-:mod:`lynx_transport._memory_egress` the sending side (``MemoryEgress``,
-``MemorySender``); :mod:`lynx_transport._memory_loop` the thread. Imports point one
+:mod:`lynx_transport.memory.egress` the sending side (``MemoryEgress``,
+``MemorySender``); :mod:`lynx_transport.memory.loop` the thread. Imports point one
 way, from here to the sending side: a listener hands its connections a
 ``ListenerHooks`` and the network its egresses a ``NetworkHooks`` (callables, built
 here), and the listeners call the egress core's public methods.
@@ -45,16 +45,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lynx_transport._dispatch import Dispatcher
-from lynx_transport._memory_egress import (
-    EgressCore,
-    EgressPeer,
-    ListenerHooks,
-    MemoryEgress,
-    MemorySender,
-    NetworkHooks,
-    StreamEnds,
-)
-from lynx_transport._memory_loop import CLOCK, NetLoop
 from lynx_transport._opened import OpenedStreams
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
@@ -67,6 +57,16 @@ from lynx_transport.errors import (
     StreamFailedError,
     TransportError,
 )
+from lynx_transport.memory.egress import (
+    EgressCore,
+    EgressPeer,
+    ListenerHooks,
+    MemoryEgress,
+    MemorySender,
+    NetworkHooks,
+    StreamEnds,
+)
+from lynx_transport.memory.loop import CLOCK, NetLoop
 from lynx_transport.protocol.manifest import Manifest, decode_manifest
 from lynx_transport.protocol.pool import ReceivePool
 from lynx_transport.protocol.scheduler import Chunk

@@ -11,17 +11,17 @@ connection fails only its own streams and leaves :meth:`MemoryEgress.peers`.
 ``MemoryTransport.connect`` gives a connection a private egress, closed with it
 (unshaped itself; the connection's shaper starts from the config's rates).
 
-Threads: the network's one thread (:mod:`lynx_transport._memory_loop`) owns an
+Threads: the network's one thread (:mod:`lynx_transport.memory.loop`) owns an
 egress's state (:class:`EgressCore`, :class:`EgressPeer`, :class:`StreamEnds`); the public
 methods hand it work and wait at most their timeout for the hand-off. Each round
 the thread asks each egress's scheduler for one chunk and copies it into the
 listener's pool at once, so nothing is ever in flight between rounds.
 
-Dependencies point one way: :mod:`lynx_transport._memory` (the network and the
+Dependencies point one way: :mod:`lynx_transport.memory.transport` (the network and the
 listeners) imports this module, never the reverse. What the sending side needs of a
 listener is a :class:`ListenerHooks` (the frames a sender sends, as callables the
 listener hands over), and of the network a :class:`NetworkHooks`; both are built by
-:mod:`lynx_transport._memory`, whose listeners in turn call the public methods of
+:mod:`lynx_transport.memory.transport`, whose listeners in turn call the public methods of
 :class:`EgressCore`.
 """
 
@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lynx_transport._memory_loop import CLOCK
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     ClosedError,
@@ -42,6 +41,7 @@ from lynx_transport.errors import (
     TransportError,
 )
 from lynx_transport.lanes import check_lane
+from lynx_transport.memory.loop import CLOCK
 from lynx_transport.protocol.manifest import Manifest, RegionSpec, encode_manifest
 from lynx_transport.protocol.scheduler import Chunk, PriorityScheduler
 from lynx_transport.protocol.shaper import Rate, Shaper
