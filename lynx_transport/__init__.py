@@ -31,18 +31,18 @@ timeout. Errors: :mod:`lynx_transport.errors`.
 """
 
 from lynx_transport.config import TransportConfig
-from lynx_transport.connection import Connection, connect
-from lynx_transport.egress import Egress
 from lynx_transport.errors import LynxError, TransportError
 from lynx_transport.lanes import Lane
 from lynx_transport.protocol.pool import PoolMemory, ReceivePool
 from lynx_transport.protocol.scheduler import LanePolicy
 from lynx_transport.protocol.shaper import Rate
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
-from lynx_transport.receiver import Receiver
 from lynx_transport.send_stream import SendStream
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneStats, TransportStats
+from lynx_transport.ucx.connection import Connection, connect
+from lynx_transport.ucx.egress import Egress
+from lynx_transport.ucx.receiver import Receiver
 
 __all__ = [
     "Connection",

@@ -1,6 +1,6 @@
 """The queue behind ``Listener.next_stream``: admitted streams, in opening order, until claimed.
 
-Shared by every listener (:class:`~lynx_transport.receiver.Receiver` and the in-memory
+Shared by every listener (:class:`~lynx_transport.ucx.receiver.Receiver` and the in-memory
 twin's): the transport's own thread puts, any thread waits with a timeout.
 """
 

@@ -30,7 +30,7 @@ class TransportConfig:
         under load, larger ones cost less per byte.
     max_inflight_bytes:
         Most bytes handed to UCX and not yet completed per sending egress (all
-        connections of one :class:`~lynx_transport.egress.Egress` together; a
+        connections of one :class:`~lynx_transport.ucx.egress.Egress` together; a
         connection from ``connect`` has an egress of its own); >= 1, default
         32 MiB. The most an anchor chunk can wait behind. Receive rails confirm
         chunks in batches, so it should cover several chunks per rail. Lower it

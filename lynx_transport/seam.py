@@ -50,15 +50,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from lynx_transport.config import TransportConfig
-from lynx_transport.connection import connect
-from lynx_transport.egress import Egress
 from lynx_transport.errors import TransportError
 from lynx_transport.protocol.manifest import RegionSpec
 from lynx_transport.protocol.pool import ReceivePool
 from lynx_transport.protocol.shaper import Rate
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
-from lynx_transport.receiver import Receiver
 from lynx_transport.send_stream import SendStream
+from lynx_transport.ucx.connection import connect
+from lynx_transport.ucx.egress import Egress
+from lynx_transport.ucx.receiver import Receiver
 
 __all__ = ["UCX", "EgressLike", "Listener", "ReceiverCallbacks", "Sender", "Transport",
            "UcxTransport"]
@@ -186,8 +186,8 @@ class Transport(Protocol):
 
 
 class UcxTransport:
-    """The real transport: UCX data path, TCP control channel (:mod:`lynx_transport.connection`,
-    :mod:`lynx_transport.receiver`). Stateless; use the :data:`UCX` instance."""
+    """The real transport: UCX data path, TCP control channel (:mod:`lynx_transport.ucx.connection`,
+    :mod:`lynx_transport.ucx.receiver`). Stateless; use the :data:`UCX` instance."""
 
     def __repr__(self) -> str:
         return "UCX"
@@ -197,7 +197,7 @@ class UcxTransport:
         return connect(address, timeout=timeout, config=config)
 
     def egress(self, config: TransportConfig | None = None) -> EgressLike:
-        """A shared egress (:class:`~lynx_transport.egress.Egress`) for a sending node
+        """A shared egress (:class:`~lynx_transport.ucx.egress.Egress`) for a sending node
         with several receivers; starts UCX at once. The caller closes it."""
         return Egress(config)
 

@@ -207,8 +207,8 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
     * ``("link_rate", (gbps, burst) | None)``, ``("lane_rate", lane, (gbps, burst) | None)``.
     * ``("rates",)``, ``("stats",)``.
     """
-    from lynx_transport.connection import connect  # noqa: PLC0415
     from lynx_transport.errors import TransportError  # noqa: PLC0415
+    from lynx_transport.ucx.connection import connect  # noqa: PLC0415
 
     if nice is not None:
         prioritise_thread(nice)
@@ -332,13 +332,13 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
 
 def receiver_server(pipe: multiprocessing.connection.Connection, pool_bytes: int,
                     config: Any = None) -> None:
-    """Child side: a :class:`~lynx_transport.receiver.Receiver`; replies with its address first.
+    """Child side: a :class:`~lynx_transport.ucx.receiver.Receiver`; replies with its address first.
 
     Requests: ``("next", timeout)`` waits for the next stream to complete and
     returns ``{name: bytes.hex() of the first 16 bytes}``; ``("exit",)``.
     """
     from lynx_transport.protocol.pool import ReceivePool  # noqa: PLC0415
-    from lynx_transport.receiver import Receiver  # noqa: PLC0415
+    from lynx_transport.ucx.receiver import Receiver  # noqa: PLC0415
 
     with Receiver(ReceivePool(pool_bytes), config=config) as rx:
         pipe.send(("ok", rx.address))
@@ -438,7 +438,7 @@ class RawDataPath:
 
     def __init__(self, worker_addresses: bytes | Sequence[bytes], tls: str = "^posix,sysv",
                  net_devices: str = "lo") -> None:
-        from lynx_transport._ucx import UcxWorker  # noqa: PLC0415
+        from lynx_transport.ucx.adapter import UcxWorker  # noqa: PLC0415
 
         self.worker = UcxWorker(tls, net_devices)
         addresses = ([worker_addresses] if isinstance(worker_addresses, bytes)
@@ -449,7 +449,7 @@ class RawDataPath:
 
     def send(self, tag: int, data: Any, timeout: float = 5.0) -> None:
         """Send ``data`` with ``tag`` and progress until UCX has taken it (or ``timeout``)."""
-        from lynx_transport._ucx import check  # noqa: PLC0415
+        from lynx_transport.ucx.adapter import check  # noqa: PLC0415
 
         view = as_bytes_view(data)
         # the tag's low 32 bits are the chunk index

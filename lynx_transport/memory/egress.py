@@ -1,6 +1,6 @@
 """The sending side of the in-memory twin: :class:`MemoryEgress` and :class:`MemorySender`.
 
-As the UCX transport's :class:`~lynx_transport.egress.Egress`: an egress has ONE
+As the UCX transport's :class:`~lynx_transport.ucx.egress.Egress`: an egress has ONE
 :class:`~lynx_transport.protocol.scheduler.PriorityScheduler` and ONE egress
 :class:`~lynx_transport.protocol.shaper.Shaper` for every connection made through it, so
 lane priority holds across all its peers (listeners) and within a lane

@@ -1,7 +1,7 @@
 """The in-memory network's one thread: runs a step function and the calls handed to it.
 
 :class:`NetLoop` is the concurrency model of :mod:`lynx_transport.memory.transport`
-(threads + futures, as :mod:`lynx_transport._loop`): one thread
+(threads + futures, as :mod:`lynx_transport.ucx.loop`): one thread
 (``lynx-mem-net``) owns every bit of state of one ``MemoryTransport`` - its
 listeners, its egresses, their connections and both ends of every stream -
 and other threads hand it work with :meth:`NetLoop.run` (a future, waited with
@@ -34,7 +34,7 @@ CLOCK = MonotonicClock()
 
 
 class NetLoop:
-    """One thread running ``step`` and the calls handed to it (cf. ``_loop.IoLoop``).
+    """One thread running ``step`` and the calls handed to it (cf. ``ucx.loop.IoLoop``).
 
     ``step()`` returns ``(progressed, deadline)``: whether it did anything, and
     the clock time it must run again by (``None``: only when work arrives).

@@ -19,7 +19,7 @@ way, from here to the sending side: a listener hands its connections a
 ``ListenerHooks`` and the network its egresses a ``NetworkHooks`` (callables, built
 here), and the listeners call the egress core's public methods.
 
-Concurrency model (threads + futures, as :mod:`lynx_transport._loop`): each
+Concurrency model (threads + futures, as :mod:`lynx_transport.ucx.loop`): each
 ``MemoryTransport`` has ONE thread (``lynx-mem-net``, running while a listener
 or an egress is open) that owns the state of every listener, egress and
 connection, both ends of every stream. Sender, egress, listener and stream

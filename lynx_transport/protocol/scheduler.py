@@ -3,7 +3,7 @@
 UCX has no per-request priority, so Lynx decides the order itself: the sender
 cuts each region into chunks of ``chunk_bytes`` and asks the scheduler which
 chunk goes next. One scheduler serves a whole sending node (an
-:class:`~lynx_transport.egress.Egress`): every stream of every connection
+:class:`~lynx_transport.ucx.egress.Egress`): every stream of every connection
 (*peer*) made through it. The rules:
 
 * strict priority by lane number (lane 0 = ``Lane.ANCHOR`` first), across every

@@ -9,7 +9,7 @@ Every control message travels as one frame::
     length          u32  payload bytes that follow
 
 Bulk data never travels in frames: it goes over UCX tagged messages straight
-into the receive pool (see :mod:`lynx_transport.receiver`).
+into the receive pool (see :mod:`lynx_transport.ucx.receiver`).
 
 :class:`FrameDecoder` is incremental and bounded: the header is checked before
 any payload is buffered, and a payload longer than ``max_payload`` is never

@@ -21,10 +21,11 @@ import numpy as np
 import psutil
 import pytest
 
-from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, _ucx
+from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig
 from lynx_transport.errors import LynxError
 from lynx_transport.protocol.wire import FrameType
 from lynx_transport.testing import PeerProcess, RawPeer, pattern, sender_server, wait_until
+from lynx_transport.ucx import adapter
 
 pytestmark = [pytest.mark.ucx, pytest.mark.slow]
 
@@ -121,7 +122,7 @@ def test_soak_1000_streams_with_faults(record_property) -> None:
     figures = {"after_50": after_50, "end": end, "outcomes": outcomes, "faults": faults,
                "lynx_threads_after_close": lynx_threads(),
                "fds_before_receiver": fds_before, "fds_after_close": psutil.Process().num_fds(),
-               "parked_ucx_workers": _ucx.PARKED,
+               "parked_ucx_workers": adapter.PARKED,
                "fd_kinds": sorted(os.readlink(f"/proc/self/fd/{f}").split(":")[0]
                                   for f in os.listdir("/proc/self/fd")
                                   if os.path.exists(f"/proc/self/fd/{f}"))}

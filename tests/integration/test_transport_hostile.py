@@ -191,7 +191,6 @@ def test_a_receivers_bogus_lane_confirmation_breaks_the_connection(lane: int, me
     import socket
     import threading
 
-    from lynx_transport._ucx import UcxWorker
     from lynx_transport.protocol.wire import (
         FrameDecoder,
         encode_frame,
@@ -199,6 +198,7 @@ def test_a_receivers_bogus_lane_confirmation_breaks_the_connection(lane: int, me
         pack_stream_token,
         pack_welcome,
     )
+    from lynx_transport.ucx.adapter import UcxWorker
 
     with socket.socket() as fake:
         fake.bind(("127.0.0.1", 0))

@@ -107,8 +107,8 @@ def test_a_heartbeat_before_the_welcome_is_a_sign_of_life_not_an_error() -> None
     import socket
     import threading
 
-    from lynx_transport.connection import _handshake
     from lynx_transport.protocol.clock import MonotonicClock
+    from lynx_transport.ucx.connection import _handshake
 
     ours, theirs = socket.socketpair()
 

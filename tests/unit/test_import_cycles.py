@@ -7,11 +7,20 @@ under ``if TYPE_CHECKING:`` too: a type-only import back is still two modules th
 other's insides (``memory.egress`` once named ``MemoryListener`` that way; it now takes
 ``ListenerHooks``). An import of a package counts as an edge to its ``__init__``;
 ``from pkg import name`` to the submodule ``pkg.name`` when there is one.
+
+The transport's layers point one way (CONTRIBUTING.md, "The transport"), checked on the
+same graph with the type-only imports: ``lynx_transport.protocol`` imports only itself and
+the leaf modules ``errors`` and ``lanes``; ``ucx`` and ``memory`` never import each other;
+of the top-level modules only ``__init__``, ``seam`` and ``testing`` import either. The
+subpackages' ``__init__`` files import nothing, and importing the transport (the in-memory
+twin included) does not import ucxx.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,3 +122,78 @@ def test_the_library_has_no_import_cycle(typing_too: bool) -> None:
     graph = {name: imports_of(name, path, known, typing_too) for name, path in known.items()}
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+#: What each part of lynx_transport may import of lynx_transport (prefixes; see the module docstring).
+PROTOCOL_MAY_IMPORT = ("lynx_transport.protocol.", "lynx_transport.errors", "lynx_transport.lanes")
+#: The top-level modules that may import an implementation (the API, the seam's default, the kit).
+FRONTS = {"lynx_transport", "lynx_transport.seam", "lynx_transport.testing"}
+SUBPACKAGES = ("lynx_transport.protocol", "lynx_transport.ucx", "lynx_transport.memory")
+
+
+def _part(name: str) -> str:
+    """``protocol``, ``ucx``, ``memory`` or ``top`` for a module of lynx_transport."""
+    for package in SUBPACKAGES:
+        if name == package or name.startswith(package + "."):
+            return package.rpartition(".")[2]
+    return "top"
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import within lynx_transport that goes against its layers, as ``a -> b``."""
+    bad = []
+    for name, targets in sorted(graph.items()):
+        if name != "lynx_transport" and not name.startswith("lynx_transport."):
+            continue
+        for target in sorted(t for t in targets if t == "lynx_transport" or t.startswith("lynx_transport.")):
+            part, other = _part(name), _part(target)
+            if part == "protocol":
+                ok = target.startswith(PROTOCOL_MAY_IMPORT) and target != "lynx_transport.protocol"
+            elif part in ("ucx", "memory"):
+                ok = other not in ({"ucx", "memory"} - {part})
+            else:
+                ok = other in ("top", "protocol") or name in FRONTS
+            if not ok:
+                bad.append(f"{name} -> {target}")
+    return bad
+
+
+def test_the_layering_check_finds_a_wrong_import() -> None:
+    graph = {"lynx_transport.protocol.wire": {"lynx_transport.errors", "lynx_transport.config"},
+             "lynx_transport.memory.loop": {"lynx_transport.ucx.loop", "lynx_transport.protocol.clock"},
+             "lynx_transport.ucx.loop": {"lynx_transport.memory.loop"},
+             "lynx_transport.config": {"lynx_transport.ucx.adapter"},
+             "lynx_transport.seam": {"lynx_transport.ucx.receiver"}}
+    assert layering_violations(graph) == ["lynx_transport.config -> lynx_transport.ucx.adapter",
+                                          "lynx_transport.memory.loop -> lynx_transport.ucx.loop",
+                                          "lynx_transport.protocol.wire -> lynx_transport.config",
+                                          "lynx_transport.ucx.loop -> lynx_transport.memory.loop"]
+
+
+def test_the_transport_imports_one_way() -> None:
+    known = modules()
+    assert {"lynx_transport.protocol.wire", "lynx_transport.ucx.adapter",
+            "lynx_transport.memory.transport"} <= set(known)  # the walk found the layers
+    graph = {name: imports_of(name, path, known, typing_too=True) for name, path in known.items()}
+    assert layering_violations(graph) == []
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
+def test_a_subpackage_init_imports_nothing(package: str) -> None:
+    path = modules()[package]
+    assert path.name == "__init__.py"
+    body = ast.parse(path.read_text()).body
+    assert ast.get_docstring(ast.Module(body=body, type_ignores=[])), f"{package} has no docstring"
+    assert all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body), \
+        f"{package}/__init__.py does more than document its package"
+
+
+def test_importing_the_transport_does_not_import_ucxx() -> None:
+    probe = ("import sys\n"
+             "import lynx_transport, lynx_transport.seam, lynx_transport.testing\n"
+             "import lynx_transport.ucx.receiver, lynx_transport.ucx.connection, lynx_transport.ucx.egress\n"
+             "from lynx_transport.testing import MemoryTransport\n"
+             "MemoryTransport()\n"
+             "print(sorted(n for n in sys.modules if n.split('.')[0] in ('ucxx', 'libucxx')))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,6 +1,6 @@
 """The control channel's shared rules, without UCX: peer liveness (``ControlSocket.keep_alive``,
 used by both the sender's and the receiver's I/O loops, and the heartbeat thread,
-``lynx_transport._heartbeat``) and the receiver's handshake steps."""
+``lynx_transport.ucx.heartbeat``) and the receiver's handshake steps."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from lynx_transport._control import ControlSocket
-from lynx_transport._heartbeat import Heartbeats
 from lynx_transport.errors import PeerDisconnectedError, ProtocolError
 from lynx_transport.protocol import auth
 from lynx_transport.protocol.clock import MonotonicClock
@@ -24,6 +22,8 @@ from lynx_transport.protocol.wire import (
     pack_hello,
     unpack_challenge,
 )
+from lynx_transport.ucx.control import ControlSocket
+from lynx_transport.ucx.heartbeat import Heartbeats
 
 SECRET = b"s" * 32
 

@@ -1,6 +1,6 @@
 """UCX starts without warnings: a loopback transfer in a fresh process prints no
 ``UCX  WARN`` line (ucxx's late ``UCX_MEMTYPE_CACHE`` write used to print one in
-every command, see ``lynx_transport._ucx._import_ucxx``), and UCX's own check for
+every command, see ``lynx_transport.ucx.adapter._import_ucxx``), and UCX's own check for
 mistyped ``UCX_*`` variables still reports them (nothing was silenced)."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_a_mistyped_ucx_variable_is_still_reported() -> None:
 
 
 def test_a_users_own_memtype_cache_setting_is_kept() -> None:
-    script = ("import os\nfrom lynx_transport._ucx import UcxWorker\n"
+    script = ("import os\nfrom lynx_transport.ucx.adapter import UcxWorker\n"
               "UcxWorker('^posix,sysv').close()\nprint(os.environ['UCX_MEMTYPE_CACHE'])\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     env["UCX_MEMTYPE_CACHE"] = "y"

@@ -1,6 +1,6 @@
 """I/O-thread state of a receiver: posted receives, incoming streams, control connections.
 
-Owned by the ``lynx-rx-io`` thread (:mod:`lynx_transport._receiver_loop`); plain data.
+Owned by the ``lynx-rx-io`` thread (:mod:`lynx_transport.ucx.receiver_loop`); plain data.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import dataclasses
 import zlib
 from typing import Any
 
-from lynx_transport._control import ControlSocket
 from lynx_transport.errors import ProtocolError
 from lynx_transport.protocol.pool import ReceivePool
 from lynx_transport.receive_stream import ReceiveStream
+from lynx_transport.ucx.control import ControlSocket
 
 __all__ = ["PostedChunk", "LaneQueue", "RxStream", "RxPeer", "COMPLETED_MEMORY"]
 
@@ -31,7 +31,7 @@ class PostedChunk:
     nbytes: int
     index: int  # the chunk's number in the stream (tag low bits)
     lane: int = 0
-    rail: int = 0  # the UCX worker it is posted on (see _receiver_rail)
+    rail: int = 0  # the UCX worker it is posted on (see ucx.receiver_rail)
 
 
 class LaneQueue:

@@ -47,7 +47,6 @@ from typing import Any
 
 from lynx_transport._dispatch import Dispatcher
 from lynx_transport._opened import OpenedStreams
-from lynx_transport._receiver_loop import RxLoop
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import ClosedError, TransportError
 from lynx_transport.protocol.clock import Clock, MonotonicClock
@@ -55,6 +54,7 @@ from lynx_transport.protocol.pool import ReceivePool
 from lynx_transport.protocol.shaper import Rate
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.stats import TransportStats
+from lynx_transport.ucx.receiver_loop import RxLoop
 
 __all__ = ["Receiver"]
 

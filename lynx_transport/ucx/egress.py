@@ -9,7 +9,7 @@ Usage (a prefill node serving several decode nodes)::
         sa = a.send_stream([("k", k_anchor, Lane.ANCHOR), ("r", res, Lane.RESIDUAL)])
         sb = b.send_stream([("k", k_anchor2, Lane.ANCHOR)])  # overtakes a's residual
 
-Threads: an egress has one I/O thread (``lynx-tx-io``, :mod:`lynx_transport._sender_loop`)
+Threads: an egress has one I/O thread (``lynx-tx-io``, :mod:`lynx_transport.ucx.sender_loop`)
 with one UCX worker, one :class:`~lynx_transport.protocol.scheduler.PriorityScheduler`
 and one egress :class:`~lynx_transport.protocol.shaper.Shaper` for every connection
 made through it. Lane priority therefore holds across every stream and every
@@ -37,15 +37,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lynx_transport._sender_loop import SenderLoop
-from lynx_transport._ucx import UcxWorker
 from lynx_transport.config import TransportConfig
-from lynx_transport.connection import Connection, attach, open_control
 from lynx_transport.errors import ClosedError
 from lynx_transport.lanes import check_lane
 from lynx_transport.protocol.clock import Clock, MonotonicClock
 from lynx_transport.protocol.shaper import Rate
 from lynx_transport.stats import TransportStats
+from lynx_transport.ucx.adapter import UcxWorker
+from lynx_transport.ucx.connection import Connection, attach, open_control
+from lynx_transport.ucx.sender_loop import SenderLoop
 
 __all__ = ["Egress"]
 
@@ -78,7 +78,7 @@ class Egress:
 
     def connect(self, address: tuple[str, int], *, timeout: float = 5.0) -> Connection:
         """Connect to a receiver at ``(host, port)``: the handshake of
-        :func:`~lynx_transport.connection.connect` (on the calling thread), then
+        :func:`~lynx_transport.ucx.connection.connect` (on the calling thread), then
         the connection joins this egress. ``timeout`` bounds the TCP connect and,
         again, the handshake. Raises like ``connect`` (``ConnectError``,
         ``AuthenticationError``), and ``ClosedError`` once the egress is closed."""

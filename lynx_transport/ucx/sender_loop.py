@@ -1,10 +1,10 @@
 """The sender's I/O thread: one per egress, shared by every connection made through it.
 
-The ``lynx-tx-io`` thread (see :mod:`lynx_transport._loop`) owns the UCX
+The ``lynx-tx-io`` thread (see :mod:`lynx_transport.ucx.loop`) owns the UCX
 worker, each peer's control socket and endpoints (one per receive rail), every
 outgoing stream, the one :class:`PriorityScheduler` and the egress
-:class:`Shaper`; the public faces (:class:`~lynx_transport.egress.Egress`,
-:class:`~lynx_transport.connection.Connection`) hand work to it and wait for
+:class:`Shaper`; the public faces (:class:`~lynx_transport.ucx.egress.Egress`,
+:class:`~lynx_transport.ucx.connection.Connection`) hand work to it and wait for
 the answer. A *peer* is one connection (one receiver): its own :class:`Shaper`
 (a cap, the rate the receiver asked for, lane rates) applies on top of the
 egress's.
@@ -32,10 +32,6 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lynx_transport import _ucx
-from lynx_transport._control import ControlSocket
-from lynx_transport._loop import IoLoop
-from lynx_transport._ucx import UcxWorker
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     ClosedError,
@@ -69,6 +65,10 @@ from lynx_transport.protocol.wire import (
 from lynx_transport.send_stream import SendStream
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
+from lynx_transport.ucx import adapter
+from lynx_transport.ucx.adapter import UcxWorker
+from lynx_transport.ucx.control import ControlSocket
+from lynx_transport.ucx.loop import IoLoop
 
 __all__ = ["Peer", "SenderLoop", "GRACE_S"]
 
@@ -359,7 +359,7 @@ class SenderLoop(IoLoop):
                     if tx.peer.broken is not None:
                         continue  # broken by an earlier entry of this batch
                     try:
-                        _ucx.check(req, f"stream {sent.stream_id}")
+                        adapter.check(req, f"stream {sent.stream_id}")
                     except TransportError as exc:
                         self.break_peer(tx.peer, exc)
                         continue

@@ -18,16 +18,16 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lynx_transport import _ucx
-from lynx_transport._loop import IoLoop
-from lynx_transport._receiver_state import PostedChunk, RxStream
-from lynx_transport._ucx import UcxWorker
 from lynx_transport.errors import TransportError
 from lynx_transport.protocol.clock import Clock
 from lynx_transport.protocol.manifest import Manifest
 from lynx_transport.protocol.pool import ReceivePool
 from lynx_transport.protocol.wire import rail_of
 from lynx_transport.receive_stream import ReceivedRegion
+from lynx_transport.ucx import adapter
+from lynx_transport.ucx.adapter import UcxWorker
+from lynx_transport.ucx.loop import IoLoop
+from lynx_transport.ucx.receiver_state import PostedChunk, RxStream
 
 __all__ = ["RailLoop", "post_receives", "cancel_receives"]
 
@@ -49,7 +49,7 @@ class RailLoop(IoLoop):
 
     def cancel(self, requests: Sequence[Any]) -> None:
         for request in requests:
-            _ucx.cancel(request)
+            adapter.cancel(request)
 
     # -- the loop body ----------------------------------------------------------------------
     def step(self) -> tuple[bool, bool, float | None]:
@@ -108,7 +108,7 @@ def cancel_receives(requests: Sequence[tuple[int, Any]], rails: Sequence[RailLoo
     on_rail: dict[int, list[Any]] = collections.defaultdict(list)
     for rail, req in requests:
         if rail == 0:
-            _ucx.cancel(req)
+            adapter.cancel(req)
         elif not req.completed:
             on_rail[rail].append(req)
     for rail, reqs in on_rail.items():

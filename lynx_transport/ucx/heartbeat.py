@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import threading
 
-from lynx_transport._control import ControlSocket
 from lynx_transport.protocol.clock import Clock
+from lynx_transport.ucx.control import ControlSocket
 
 __all__ = ["Heartbeats"]
 

@@ -1,6 +1,6 @@
 """Tag tokens, and the quarantine of a failed stream's receives, pool blocks and token.
 
-Owned by the receiver's I/O thread (:mod:`lynx_transport._receiver_loop`).
+Owned by the receiver's I/O thread (:mod:`lynx_transport.ucx.receiver_loop`).
 
 A failed stream's UCX receives stay posted, and its pool blocks stay taken,
 :data:`QUARANTINE_S` before the receives are cancelled (explicitly) and the

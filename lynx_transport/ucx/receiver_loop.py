@@ -1,7 +1,7 @@
 """The receiver's I/O thread: accepting connections, admitting manifests, landing chunks.
 
-All state here is owned by the ``lynx-rx-io`` thread (see :mod:`lynx_transport._loop`);
-the public face is :class:`lynx_transport.receiver.Receiver`, which hands the
+All state here is owned by the ``lynx-rx-io`` thread (see :mod:`lynx_transport.ucx.loop`);
+the public face is :class:`lynx_transport.ucx.receiver.Receiver`, which hands the
 loop what it needs (pool, config, clock, the callback thread's ``post``, the
 callbacks, where opened streams go) rather than itself.
 """
@@ -15,12 +15,6 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lynx_transport import _ucx
-from lynx_transport._control import ControlSocket
-from lynx_transport._loop import IoLoop
-from lynx_transport._receiver_quarantine import Quarantine
-from lynx_transport._receiver_rail import RailLoop, cancel_receives, post_receives
-from lynx_transport._receiver_state import PostedChunk, RxPeer, RxStream
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     AuthenticationError,
@@ -58,6 +52,12 @@ from lynx_transport.protocol.wire import (
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
+from lynx_transport.ucx import adapter
+from lynx_transport.ucx.control import ControlSocket
+from lynx_transport.ucx.loop import IoLoop
+from lynx_transport.ucx.receiver_quarantine import Quarantine
+from lynx_transport.ucx.receiver_rail import RailLoop, cancel_receives, post_receives
+from lynx_transport.ucx.receiver_state import PostedChunk, RxPeer, RxStream
 
 __all__ = ["RxLoop", "CALLBACKS"]
 
@@ -86,7 +86,7 @@ class RxLoop(IoLoop):
                  opened: Callable[[ReceiveStream], None],
                  release: Callable[[ReceiveStream], None]) -> None:
         device = pool.device
-        init = None if device is None else (lambda: _ucx.ensure_cuda_context(device))
+        init = None if device is None else (lambda: adapter.ensure_cuda_context(device))
         super().__init__("lynx-rx-io", config.ucx_tls, clock, init,
                          net_devices=net_devices, nice=config.thread_nice,
                          heartbeat_s=config.heartbeat_interval_s)
@@ -462,7 +462,7 @@ class RxLoop(IoLoop):
                         progressed = True
                         conn.ctl.heard(now)  # data from the peer: a sign of life
                         try:
-                            _ucx.check(p.request, f"stream {rx.handle.stream_id}")
+                            adapter.check(p.request, f"stream {rx.handle.stream_id}")
                         except TransportError as exc:
                             self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
                             break

@@ -14,12 +14,12 @@ Usage::
     s.supply("layer0", buf0); ...; s.supply("layer1", buf1)
 
 A :class:`Connection` is a handle on one peer of a sender I/O thread
-(:mod:`lynx_transport._sender_loop`: ``lynx-tx-io``, which owns the UCX worker,
+(:mod:`lynx_transport.ucx.sender_loop`: ``lynx-tx-io``, which owns the UCX worker,
 the endpoints, the control sockets, the :class:`PriorityScheduler` and the
 shapers). :func:`connect` gives the connection an egress of its own - one I/O
 thread, owned by the connection and stopped with it; a sending node with
 several receivers shares one among all its connections instead
-(:class:`lynx_transport.egress.Egress`), so lane priority and shaping hold
+(:class:`lynx_transport.ucx.egress.Egress`), so lane priority and shaping hold
 across them. Public methods hand work to the I/O thread and wait (with a
 timeout) for the answer. Completion is signalled by the receiver
 (LANE_DONE/STREAM_DONE frames), never inferred from local send completion.
@@ -32,8 +32,6 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from lynx_transport._sender_loop import Peer, SenderLoop
-from lynx_transport._ucx import UcxWorker
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     AuthenticationError,
@@ -63,13 +61,15 @@ from lynx_transport.protocol.wire import (
 )
 from lynx_transport.send_stream import SendStream
 from lynx_transport.stats import TransportStats
+from lynx_transport.ucx.adapter import UcxWorker
+from lynx_transport.ucx.sender_loop import Peer, SenderLoop
 
 __all__ = ["Connection", "connect"]
 
 
 class Connection:
     """A connection to one receiver. Create it with :func:`connect` (an egress of its
-    own) or :meth:`Egress.connect <lynx_transport.egress.Egress.connect>` (shared)."""
+    own) or :meth:`Egress.connect <lynx_transport.ucx.egress.Egress.connect>` (shared)."""
 
     def __init__(self, loop: SenderLoop, peer: Peer, config: TransportConfig, clock: Clock,
                  owns_loop: bool) -> None:
@@ -142,7 +142,7 @@ class Connection:
         """Shape this connection (takes effect at once, also mid-stream); ``None``: unshaped.
 
         On a connection from :func:`connect` that is the whole link. On a
-        shared :class:`~lynx_transport.egress.Egress` it is a cap for this
+        shared :class:`~lynx_transport.ucx.egress.Egress` it is a cap for this
         peer only: the egress's own rate (``Egress.set_link_rate``) holds for
         all peers together on top of it, and a peer over its cap does not hold
         back the others.
@@ -273,7 +273,7 @@ def attach(loop: SenderLoop, sock: socket.socket, address: tuple[str, int], time
 
 def connect(address: tuple[str, int], *, timeout: float = 5.0,
             config: TransportConfig | None = None, clock: Clock | None = None) -> Connection:
-    """Connect to a :class:`~lynx_transport.receiver.Receiver` at ``(host, port)``.
+    """Connect to a :class:`~lynx_transport.ucx.receiver.Receiver` at ``(host, port)``.
 
     The connection gets an egress of its own (one I/O thread and UCX worker,
     stopped by :meth:`Connection.close`); ``config.link_rate``/``lane_rates``

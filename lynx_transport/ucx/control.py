@@ -2,7 +2,7 @@
 
 Both sides keep a control connection alive the same way: a heartbeat when this side
 has been silent for ``heartbeat_interval_s`` (sent by the loop's
-:class:`~lynx_transport._heartbeat.Heartbeats` thread, :meth:`ControlSocket.heartbeat_if_due`,
+:class:`~lynx_transport.ucx.heartbeat.Heartbeats` thread, :meth:`ControlSocket.heartbeat_if_due`,
 and by the I/O thread itself in :meth:`ControlSocket.keep_alive`), and the peer declared
 lost (``PeerDisconnectedError``) after ``peer_timeout_s`` without a sign of life from it.
 A sign of life is any byte: a frame read, a byte still waiting unread in the socket

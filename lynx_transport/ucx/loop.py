@@ -43,11 +43,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lynx_transport._heartbeat import Heartbeats
 from lynx_transport._threads import renice_current_thread
-from lynx_transport._ucx import UcxWorker
 from lynx_transport.errors import ClosedError, TransportTimeoutError
 from lynx_transport.protocol.clock import Clock
+from lynx_transport.ucx.adapter import UcxWorker
+from lynx_transport.ucx.heartbeat import Heartbeats
 
 __all__ = ["IoLoop"]
 
@@ -69,7 +69,7 @@ class IoLoop:
                  heartbeat_s: float | None = None) -> None:
         self.clock = clock
         #: A loop with control sockets (``heartbeat_s`` given) heartbeats them from a
-        #: thread of its own (see :mod:`lynx_transport._heartbeat`); started and
+        #: thread of its own (see :mod:`lynx_transport.ucx.heartbeat`); started and
         #: stopped with the loop.
         self.heartbeats = (None if heartbeat_s is None else
                            Heartbeats(name.replace("-io", "") + "-heartbeat", clock, heartbeat_s))
