@@ -28,6 +28,12 @@ Threads and futures: each Receiver and each Egress (a Connection from
 ``connect`` has one of its own) runs one I/O thread that owns its UCX worker;
 receiver callbacks run on one callback thread. Every blocking call takes a
 timeout. Errors: :mod:`lynx_transport.errors`.
+
+Layout: the API at the top (this module, :mod:`~lynx_transport.seam`, the stream
+handles, config, errors, lanes, stats, :mod:`~lynx_transport.testing`);
+:mod:`lynx_transport.protocol` the pure logic both transports share,
+:mod:`lynx_transport.ucx` the real transport, :mod:`lynx_transport.memory` the
+in-memory twin. Importing this package never imports ucxx: the first UCX start does.
 """
 
 from lynx_transport.config import TransportConfig
