@@ -38,7 +38,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	# NIXL for vLLM's NixlConnector (make vllm-bench's nixl rows); --no-deps: never a CUDA torch
 	$(VLLM_BIN)/python -m pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	# compile the codec's Numba kernels for this environment's numba once, not in every vLLM worker,
-	# into a cache of its own (lynx_bench.vllm_driver.numba_cache_env: one numba version's cache index
+	# into a cache of its own (lynx_bench.vllm.driver.numba_cache_env: one numba version's cache index
 	# is thrown away by another's, so sharing kernels/__pycache__ would recompile in every other process)
 	NUMBA_CACHE_DIR=$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -c 'from lynx_decode.kvstream import warm_up_codec; warm_up_codec()'
 	touch $@
@@ -48,7 +48,7 @@ vllm-env: $(VLLM_STAMP)
 # Lynx inside vLLM: a producer and a consumer instance, the default model, a ~2k-token
 # prompt, 1 Gbit/s; prints a table and writes vllm-demo-out/result.json.
 vllm-demo: $(STAMP) $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m lynx_bench.vllm_demo --out vllm-demo-out
+	$(VLLM_BIN)/python -m lynx_bench.vllm.demo --out vllm-demo-out
 
 # vLLM's own serving benchmark (vllm bench serve) against each P/D configuration: none, lynx-bf16,
 # lynx-int8, lynx-lynx, nixl; 2048-token prompts, 20 requests each, rate 0.7 x the producer's
@@ -57,7 +57,7 @@ vllm-demo: $(STAMP) $(VLLM_STAMP)
 # and a plot. VLLM_BENCH_FLAGS passes more flags (e.g. --requests 3 --configs nixl,lynx-int8).
 .PHONY: vllm-bench
 vllm-bench: $(STAMP) $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m lynx_bench.vllm_bench --out vllm-bench-out $(VLLM_BENCH_FLAGS)
+	$(VLLM_BIN)/python -m lynx_bench.vllm.bench --out vllm-bench-out $(VLLM_BENCH_FLAGS)
 
 # vllm serve on a busy box: producer, consumer and proxy with two CPU hogs beside them (marked slow)
 vllm-busy: $(STAMP) $(VLLM_STAMP)

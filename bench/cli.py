@@ -22,16 +22,16 @@ __all__ = ["main", "SUBCOMMANDS", "SHOWN_AT_INFO", "configure_logging"]
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("lynx_bench.info", "show versions and which backends are available"),
-    "link": ("lynx_bench.link_cli", "emulated network link: two namespaces, veth, tc shaping"),
-    "passkey": ("lynx_bench.workload_cli", "pass-key accuracy of the full-precision model per context and depth"),
-    "accuracy": ("lynx_bench.accuracy_cli",
+    "link": ("lynx_bench.netem.cli", "emulated network link: two namespaces, veth, tc shaping"),
+    "passkey": ("lynx_bench.accuracy.passkey", "pass-key accuracy of the full-precision model per context and depth"),
+    "accuracy": ("lynx_bench.accuracy.cli",
                  "accuracy per KV scheme: fidelity, generation and retrieval against BF16, with plots"),
-    "serve": ("lynx_bench.serve_cli", "run a prefill node: prefill prompts and stream their KV caches"),
-    "sweep": ("lynx_bench.sweep", "TTFT against link bandwidth for bf16/int8/int4/lynx, with plots"),
-    "load": ("lynx_bench.load_cli",
+    "serve": ("lynx_bench.nodes.serve", "run a prefill node: prefill prompts and stream their KV caches"),
+    "sweep": ("lynx_bench.sweep.cli", "TTFT against link bandwidth for bf16/int8/int4/lynx, with plots"),
+    "load": ("lynx_bench.load.cli",
              "serving under load: open-loop Poisson requests from many decode nodes, tail TTFT per scheme"),
-    "generate": ("lynx_bench.generate_cli", "run a decode node: fetch a prompt's KV cache and generate"),
-    "bench-transport": ("lynx_bench.bench_transport",
+    "generate": ("lynx_bench.nodes.generate", "run a decode node: fetch a prompt's KV cache and generate"),
+    "bench-transport": ("lynx_bench.transport_bench.cli",
                         "transport throughput and latency vs raw ucxx, ucx_perftest, asyncio TCP, NIXL and "
                         "Mooncake TE; priority and shaping"),
 }

@@ -23,7 +23,7 @@ own ``errors`` module and everything above may import it::
     ├── DecodeError                     lynx_decode.errors: model and generation
     │   ├── ModelError                  the model cannot be found or loaded
     │   └── PromptError                 the prompt does not fit the model
-    └── LinkError                       lynx_bench.errors: tc / namespace emulation
+    └── LinkError                       lynx_bench.common.errors: tc / namespace emulation
 
 ``BackendError`` and ``ConfigError`` sit at the root because every layer raises
 them (the receive pool asks for CuPy as the codec does). Backend exceptions

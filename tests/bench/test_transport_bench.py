@@ -89,7 +89,7 @@ def test_lynx_stream_64mib_loopback(benchmark, loopback) -> None:
 
 @pytest.fixture(scope="module")
 def raw_ucxx():
-    from lynx_bench import transport_baselines as base
+    from lynx_bench.transport_bench import baselines as base
 
     tls = TransportConfig().ucx_tls  # the same UCX path as Lynx
     peer = PeerProcess(base.raw_ucxx_receiver, 64 * MiB, tls)

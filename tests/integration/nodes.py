@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lynx_bench.processes import Child
+from lynx_bench.common.processes import Child
 
 __all__ = ["serve_process", "decode_server"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx_bench.accuracy import ROW_FIELDS, SUMMARY_FIELDS
+from lynx_bench.accuracy.report import ROW_FIELDS, SUMMARY_FIELDS
 from tests._lynx_cli import run_lynx
 
 LYNX = [sys.executable, "-m", "lynx_bench.cli"]

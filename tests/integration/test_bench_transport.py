@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from lynx_bench.bench_transport import TARGETS
-from lynx_bench.peer_engines import Engine, missing
+from lynx_bench.transport_bench.cli import TARGETS
+from lynx_bench.transport_bench.peers.engines import Engine, missing
 
 pytestmark = pytest.mark.ucx
 
@@ -90,7 +90,7 @@ def test_quick_mode_with_each_installed_peer(tmp_path) -> None:
 
 def test_an_engine_that_fails_to_import_is_skipped_with_the_hint(tmp_path, monkeypatch) -> None:
     """A broken install (the module is there, its import fails in the engine's child)."""
-    from lynx_bench.bench_transport_peers import PeerBackends
+    from lynx_bench.transport_bench.peer_runs import PeerBackends
 
     fake = tmp_path / "nixl_cu12"
     fake.mkdir()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lynx_bench.timeline import timeline_figure
-from lynx_bench.workload import filler_prose
+from lynx_bench.accuracy.workload import filler_prose
+from lynx_bench.nodes.timeline import timeline_figure
 
 from .nodes import serve_process
 

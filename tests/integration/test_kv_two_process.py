@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from lynx_bench.workload import filler_prose, passkey_prompt
+from lynx_bench.accuracy.workload import filler_prose, passkey_prompt
 from lynx_decode.codec.config import Scheme
 from lynx_decode.decode_node import DecodeNode
 from lynx_decode.errors import DecodeError, PromptError

@@ -1,5 +1,5 @@
 """Real link emulation: namespaces, veth, bridge, htb — driven through the ``lynx``
-command and the :class:`~lynx_bench.link.Link` API.
+command and the :class:`~lynx_bench.netem.link.Link` API.
 
 Needs root and iproute2 (tests/conftest.py skips with the reason otherwise). Every
 test uses its own prefix and removes its namespaces (any number of hosts) in a
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-import lynx_bench.link
-from lynx_bench.errors import LinkError
-from lynx_bench.link import Link, teardown
-from lynx_bench.link_config import LinkConfig, owned_namespaces
-from lynx_bench.link_sys import namespaces, netem_available
+import lynx_bench.netem.link
+from lynx_bench.common.errors import LinkError
+from lynx_bench.netem.config import LinkConfig, owned_namespaces
+from lynx_bench.netem.host import namespaces, netem_available
+from lynx_bench.netem.link import Link, teardown
 
 pytestmark = pytest.mark.netns
 
@@ -32,7 +32,7 @@ LYNX = Path(sys.executable).with_name("lynx")
 # Both ends of every bulk transfer run SCHED_FIFO: the tests measure the link, not
 # the scheduler of a shared 2-core machine (unprioritised ends dropped to 0.87 of
 # the rate there under other load).
-BULK = ["chrt", "--fifo", "20", sys.executable, "-m", "lynx_bench.link_bulk"]
+BULK = ["chrt", "--fifo", "20", sys.executable, "-m", "lynx_bench.netem.bulk"]
 
 
 def lynx(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -266,8 +266,8 @@ def test_ctrl_c_tears_the_link_down(prefix: str, hosts: int, inside: str) -> Non
     program = (
         "import signal, subprocess, sys\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "from lynx_bench.link import Link\n"
-        "from lynx_bench.link_config import LinkConfig\n"
+        "from lynx_bench.netem.link import Link\n"
+        "from lynx_bench.netem.config import LinkConfig\n"
         f"with Link(LinkConfig(rate_gbps=0.5, prefix={prefix!r}, hosts={hosts})) as link:\n"
         f"    inside = link.popen_in({inside!r}, ['sh', '-c', 'echo in; exec sleep 300'],\n"
         "                           stdout=subprocess.PIPE, text=True)\n"
@@ -325,7 +325,7 @@ NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 _IMPORTS = """\
 import contextlib, io, json, sys
 before = set(sys.modules)
-import lynx_bench.cli, lynx_bench.link_cli
+import lynx_bench.cli, lynx_bench.netem.cli
 with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
     lynx_bench.cli.main(["link", "--help"])
 paths = {}
@@ -434,7 +434,7 @@ def test_three_hosts_come_up_on_a_bridge_and_go_down_leaving_nothing(prefix: str
 
 def _transfer(link: Link, src: str, dst: str, n_bytes: int = 1_000_000) -> int:
     """Send ``n_bytes`` from host ``src`` to host ``dst`` with the bulk tool; bytes received."""
-    bulk = [sys.executable, "-m", "lynx_bench.link_bulk"]
+    bulk = [sys.executable, "-m", "lynx_bench.netem.bulk"]
     receiver = link.popen_in(dst, [*bulk, "recv", "--bind", link.address(dst), "--timeout", "10"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -518,7 +518,7 @@ def test_bad_hosts_are_refused_before_anything_is_created(prefix: str, argv: lis
 
 def test_a_failure_while_setting_up_many_hosts_removes_everything(
         prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_sh = lynx_bench.link.sh
+    real_sh = lynx_bench.netem.link.sh
     ran: list[list[str]] = []
 
     def failing_sh(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -527,7 +527,7 @@ def test_a_failure_while_setting_up_many_hosts_removes_everything(
             raise LinkError("injected failure")
         return real_sh(argv, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(lynx_bench.link, "sh", failing_sh)
+    monkeypatch.setattr(lynx_bench.netem.link, "sh", failing_sh)
     with pytest.raises(LinkError, match="injected failure"):
         Link(LinkConfig(rate_gbps=1.0, hosts=3, prefix=prefix)).up()
     assert any(a[:3] == ["ip", "netns", "add"] and a[3] == f"{prefix}-sw" for a in ran)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lynx_bench.processes import Child
+from lynx_bench.common.processes import Child
 from lynx_decode.codec import decode_layer, encode_layer
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.codec.layout import LayerLayout

@@ -35,8 +35,8 @@ from typing import Any
 import psutil
 import pytest
 
-from lynx_bench.processes import Child
-from lynx_bench.workload import filler_prose
+from lynx_bench.accuracy.workload import filler_prose
+from lynx_bench.common.processes import Child
 from tests._tiny_models import build
 
 pytestmark = [pytest.mark.model, pytest.mark.ucx]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lynx_bench.workload import filler_prose
+from lynx_bench.accuracy.workload import filler_prose
 from lynx_decode.prefill_node import PrefillNode
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.testing import PeerProcess, wait_until

@@ -40,7 +40,7 @@ PROMPTS = [("passkey", 0.5, 301), ("prose", None, 302), ("passkey", 0.9, 303),
 
 
 def _prompt(model: HFCausalLM, kind: str, depth: float | None, seed: int) -> list[int]:
-    from lynx_bench.workload import filler_prose, passkey_prompt
+    from lynx_bench.accuracy.workload import filler_prose, passkey_prompt
 
     if kind == "passkey":
         return model.tokenize(passkey_prompt(model.tokenize, 2100, depth, seed).prompt)

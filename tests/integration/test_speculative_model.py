@@ -5,7 +5,7 @@ token, whatever the draft cache holds: an exact copy (acceptance 1.0), the full
 cache plus heavy noise, or zeroed layers (rejections and rollbacks really
 happen), and the codec's anchor-only caches against its INT8 cache.
 
-The codec exactness check uses prompts built locally from lynx_bench.workload
+The codec exactness check uses prompts built locally from lynx_bench.accuracy.workload
 with seeds 201..205 (pass-key at depths 0.25/0.5/0.9, seeds 201-203; filler
 prose, seeds 204-205), never used for tuning (acceptance was measured on seeds
 301+, see test_speculative_acceptance.py). Two prompts run by default, all five
@@ -171,7 +171,7 @@ CODEC_NEW = 32
 
 @functools.cache
 def codec_prompt(kind: str, depth: float | None, seed: int) -> tuple[list[int], Prefill]:
-    from lynx_bench.workload import filler_prose, passkey_prompt
+    from lynx_bench.accuracy.workload import filler_prose, passkey_prompt
 
     model = load_model()
     if kind == "passkey":

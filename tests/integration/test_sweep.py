@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx_bench.results import COLUMNS
+from lynx_bench.sweep.results import COLUMNS
 
 LYNX = [sys.executable, "-m", "lynx_bench.cli"]
 

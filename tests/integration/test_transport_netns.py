@@ -99,8 +99,8 @@ def read_event(child: subprocess.Popen, want: str, timeout: float) -> dict:
 
 @pytest.fixture
 def link():
-    from lynx_bench.link import Link
-    from lynx_bench.link_config import LinkConfig
+    from lynx_bench.netem.config import LinkConfig
+    from lynx_bench.netem.link import Link
 
     if os.geteuid() != 0:
         pytest.fail("netns tests need root (run them as root or deselect -m 'not netns')")

@@ -1,6 +1,6 @@
 """Asynchronous loads (``load: "async"``) inside real vLLM (CPU): a producer and two consumers,
 one loading synchronously (the default), one asynchronously, in processes of their own from the
-vLLM environment (``make vllm-env``), driven by :mod:`lynx_bench.vllm_driver`.
+vLLM environment (``make vllm-env``), driven by :mod:`lynx_bench.vllm.driver`.
 
 The claim: a long transfer (Lynx's own shaper holds the producer to 0.2 Gbit/s) that lands while
 another request is decoding stalls that request in sync mode (the forward that waits inside its
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from lynx_bench.vllm_driver import INSTALL_HINT, VllmNode, free_port, vllm_python
+from lynx_bench.vllm.driver import INSTALL_HINT, VllmNode, free_port, vllm_python
 from tests.integration.vllm_models import (
     answer_ok,
     load_records,

@@ -1,5 +1,5 @@
 """LynxConnector inside real vLLM (CPU): producer and consumer instances in processes of their
-own, run from the vLLM environment (``make vllm-env``) by :mod:`lynx_bench.vllm_driver`.
+own, run from the vLLM environment (``make vllm-env``) by :mod:`lynx_bench.vllm.driver`.
 
 A tiny randomly initialised Llama (built here with transformers, no download) and the real
 default model. Skipped, with the command that installs it, when the vLLM environment is absent;
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lynx_bench.vllm_driver import INSTALL_HINT, VllmNode, free_port, vllm_python
+from lynx_bench.vllm.driver import INSTALL_HINT, VllmNode, free_port, vllm_python
 from tests.integration.vllm_models import (
     answer_ok,
     load_records,

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lynx_bench.vllm_driver import INSTALL_HINT, vllm_python
+from lynx_bench.vllm.driver import INSTALL_HINT, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ucx]
 

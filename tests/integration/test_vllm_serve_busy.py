@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from lynx_bench.vllm_driver import INSTALL_HINT, vllm_python
+from lynx_bench.vllm.driver import INSTALL_HINT, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ucx, pytest.mark.slow]
 

@@ -55,12 +55,12 @@ def answer_ok(answer: dict[str, Any]) -> dict[str, Any]:
 
 def start_instances(python: str, model: Path, logs: Path, specs: dict[str, dict[str, Any]], *,
                     ready_timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """One :class:`~lynx_bench.vllm_driver.VllmNode` per spec (its keyword arguments), two
+    """One :class:`~lynx_bench.vllm.driver.VllmNode` per spec (its keyword arguments), two
     starting at a time (more at once do not start in time on two cores), logs in ``logs``;
     every one that started is closed again when any fails (AssertionError naming each)."""
     import concurrent.futures as cf
 
-    from lynx_bench.vllm_driver import VllmNode
+    from lynx_bench.vllm.driver import VllmNode
 
     nodes: dict[str, Any] = {}
     errors = []

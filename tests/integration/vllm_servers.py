@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from lynx_bench.vllm_bench import Server  # one server process, as the benchmark runs it
-from lynx_bench.vllm_driver import free_port, numba_cache_env
+from lynx_bench.vllm.bench import Server  # one server process, as the benchmark runs it
+from lynx_bench.vllm.driver import free_port, numba_cache_env
 from tests import _tiny_models
 
 __all__ = ["Server", "Stack", "server_env", "vllm_server", "lynx_transfer", "ask", "body", "records", "MODEL_NAME",

@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lynx_bench.accuracy import (
+from lynx_bench.accuracy.config import AccuracyConfig, Workload, parse_workloads
+from lynx_bench.accuracy.plots import _split_of, plot_accuracy_report, ttft_points
+from lynx_bench.accuracy.report import (
     ROW_FIELDS,
     SUMMARY_FIELDS,
     AccuracyRow,
@@ -21,13 +23,11 @@ from lynx_bench.accuracy import (
     summary_table,
     write_report,
 )
-from lynx_bench.accuracy_config import AccuracyConfig, Workload, parse_workloads
-from lynx_bench.accuracy_plots import _split_of, plot_accuracy_report, ttft_points
-from lynx_bench.accuracy_retrieval import Retrieval, retrieval_cases
-from lynx_bench.accuracy_schemes import scheme_cache
-from lynx_bench.accuracy_texts import FALLBACK, Corpus, load_corpus, text_windows
-from lynx_bench.results import Row
-from lynx_bench.sweep_config import SweepScheme
+from lynx_bench.accuracy.retrieval import Retrieval, retrieval_cases
+from lynx_bench.accuracy.schemes import scheme_cache
+from lynx_bench.accuracy.texts import FALLBACK, Corpus, load_corpus, text_windows
+from lynx_bench.sweep.config import SweepScheme
+from lynx_bench.sweep.results import Row
 from lynx_transport.errors import ConfigError
 
 
@@ -198,7 +198,7 @@ def test_accuracy_png(tmp_path: Path) -> None:
 
 
 def test_the_speculative_check_commits_greedy_on_the_full_cache() -> None:
-    from lynx_bench.accuracy_eval import greedy, speculative_tokens
+    from lynx_bench.accuracy.eval import greedy, speculative_tokens
     from lynx_decode.model import KVBuffers
     from tests._speculative_helpers import ToyLM
 

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from lynx_bench.accuracy_retrieval import retrieval_score
-from lynx_bench.accuracy_scores import (
+from lynx_bench.accuracy.retrieval import retrieval_score
+from lynx_bench.accuracy.scores import (
     agreeing_prefix,
     full_match,
     kl_divergence,

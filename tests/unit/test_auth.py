@@ -54,10 +54,10 @@ def test_handshake_payloads_round_trip_and_reject_bad_sizes_and_flags() -> None:
 def _parse(argv: list[str]):
     import argparse
 
-    from lynx_bench import generate_cli, serve_cli
+    from lynx_bench.nodes import generate, serve
 
     out = []
-    for mod, extra in ((serve_cli, []), (generate_cli, ["--connect", ":1", "--prompt-file", "p",
+    for mod, extra in ((serve, []), (generate, ["--connect", ":1", "--prompt-file", "p",
                                                         "--json", "o.json"])):
         parser = argparse.ArgumentParser()
         mod.add_arguments(parser)
@@ -66,7 +66,7 @@ def _parse(argv: list[str]):
 
 
 def test_cli_reads_the_secret_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:
-    from lynx_bench.node_args import SECRET_ENV, load_secret, transport_config
+    from lynx_bench.common.node_args import SECRET_ENV, load_secret, transport_config
     from lynx_transport.errors import ConfigError
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
@@ -92,9 +92,9 @@ def test_cli_reads_the_secret_from_a_file_or_the_environment(tmp_path, monkeypat
 def test_cli_has_no_option_that_takes_the_secret_itself() -> None:
     import argparse
 
-    from lynx_bench import generate_cli, serve_cli
+    from lynx_bench.nodes import generate, serve
 
-    for mod in (serve_cli, generate_cli):
+    for mod in (serve, generate):
         parser = argparse.ArgumentParser()
         mod.add_arguments(parser)
         flags = {o for a in parser._actions for o in a.option_strings}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lynx_bench.bench_transport import engines
-from lynx_bench.bench_transport_peers import NIXL, best_of, latency_summary
-from lynx_bench.peer_engines import ENGINES, Engine, install_hint
+from lynx_bench.transport_bench.cli import engines
+from lynx_bench.transport_bench.peer_runs import NIXL, best_of, latency_summary
+from lynx_bench.transport_bench.peers.engines import ENGINES, Engine, install_hint
 
 
 def test_engines_from_the_flag() -> None:

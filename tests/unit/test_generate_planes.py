@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lynx_bench import cli, generate_cli
+from lynx_bench import cli
+from lynx_bench.nodes import generate
 from lynx_transport.errors import ConfigError
 
 
@@ -16,7 +17,7 @@ def _args(tmp_path: Path, *flags: str) -> argparse.Namespace:
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("hello")
     parser = argparse.ArgumentParser()
-    generate_cli.add_arguments(parser)
+    generate.add_arguments(parser)
     return parser.parse_args(["--connect", "127.0.0.1:1", "--prompt-file", str(prompt),
                               "--json", str(tmp_path / "o.json"), *flags])
 
@@ -30,7 +31,7 @@ def _args(tmp_path: Path, *flags: str) -> argparse.Namespace:
     (("--planes", "auto"), "auto"),
 ])
 def test_the_split_the_flags_ask_for(tmp_path: Path, flags: tuple[str, ...], split: tuple[int, ...]) -> None:
-    assert generate_cli.split_from_args(_args(tmp_path, *flags)) == split
+    assert generate.split_from_args(_args(tmp_path, *flags)) == split
 
 
 @pytest.mark.parametrize(("planes", "message"), [
@@ -45,9 +46,9 @@ def test_a_bad_split_fails_before_the_model_loads(tmp_path: Path, planes: str, m
     def no_model(args: argparse.Namespace) -> None:
         raise AssertionError("the model was loaded before the flags were checked")
 
-    monkeypatch.setattr(generate_cli, "load_model", no_model)
+    monkeypatch.setattr(generate, "load_model", no_model)
     with pytest.raises(ConfigError, match=message):
-        generate_cli.run(_args(tmp_path, "--planes", planes))
+        generate.run(_args(tmp_path, "--planes", planes))
     prompt = tmp_path / "prompt.txt"
     rc = cli.main(["generate", "--connect", "127.0.0.1:1", "--prompt-file", str(prompt),
                    "--json", str(tmp_path / "o.json"), "--planes", planes])

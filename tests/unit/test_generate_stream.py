@@ -1,11 +1,11 @@
 """`lynx generate --stream` and the fail-fast probe of `--connect`.
 
-The renderer (``lynx_bench.token_stream.TokenStream``) is pure: events in, text out.
+The renderer (``lynx_bench.nodes.token_stream.TokenStream``) is pure: events in, text out.
 Its terminal output is checked on a small terminal emulator (``_Screen``, below: a
 grid of cells with xterm's pending wrap, cursor-up, set-column, erase-below and SGR
 dim/yellow) against the same emulator fed the text that should be visible (the
 final text, then the tentative text dim), after every event. Then the whole CLI
-(``generate_cli.run``, a toy model, both nodes over the in-memory transport) runs
+(``generate.run``, a toy model, both nodes over the in-memory transport) runs
 in a child process whose stdout is a pseudo-terminal, and once more into a pipe.
 """
 
@@ -31,8 +31,9 @@ from typing import Any
 
 import pytest
 
-from lynx_bench import cli, generate_cli
-from lynx_bench.token_stream import DIM, RESET, UNVERIFIED, TokenStream
+from lynx_bench import cli
+from lynx_bench.nodes import generate
+from lynx_bench.nodes.token_stream import DIM, RESET, UNVERIFIED, TokenStream
 from lynx_decode.events import Committed, DecodeMetrics, Done, Event, Rollback, Tentative, Unverified
 from lynx_transport.errors import ConnectError
 from tests._lynx_cli import LynxRun, run_lynx
@@ -320,7 +321,7 @@ def test_control_characters_are_shown_not_obeyed() -> None:
 
 # -- the whole CLI, in a child, to a pseudo-terminal and to a pipe -------------------------------
 def _toy_run(argv: list[str]) -> int:
-    """Child side: ``generate_cli.run`` with a toy model, against a prefill node of the
+    """Child side: ``generate.run`` with a toy model, against a prefill node of the
     same toy model in this process, both over the in-memory transport."""
     from lynx_decode.prefill_node import PrefillNode
     from lynx_decode.timeouts import Timeouts
@@ -339,20 +340,20 @@ def _toy_run(argv: list[str]) -> int:
 
     model = TextToyLM(eos=False)
     transport = MemoryTransport()
-    original = generate_cli.decode_node
-    generate_cli.load_model = lambda args: model  # type: ignore[assignment]
-    generate_cli.probe = lambda server, timeout: None  # type: ignore[assignment]  # no TCP here
-    generate_cli.decode_node = lambda args, m: _holding(original(args, m, transport=transport))  # type: ignore[assignment]
+    original = generate.decode_node
+    generate.load_model = lambda args: model  # type: ignore[assignment]
+    generate.probe = lambda server, timeout: None  # type: ignore[assignment]  # no TCP here
+    generate.decode_node = lambda args, m: _holding(original(args, m, transport=transport))  # type: ignore[assignment]
     with PrefillNode(model, transport=transport, timeouts=Timeouts(stream_s=10.0)) as prefill:
         stop = threading.Event()
         server = threading.Thread(target=prefill.serve, args=(stop,), kwargs={"poll_s": 0.02})
         server.start()
         try:
             parser = argparse.ArgumentParser()
-            generate_cli.add_arguments(parser)
+            generate.add_arguments(parser)
             host, port = prefill.address
             args = parser.parse_args(["--connect", f"{host}:{port}", *argv])
-            return generate_cli.run(args)
+            return generate.run(args)
         finally:
             stop.set()
             server.join(5)
@@ -456,7 +457,7 @@ def test_generate_against_a_closed_port_fails_at_once_without_loading_the_model(
     def no_model(args: argparse.Namespace) -> None:
         raise AssertionError("the model was loaded before the prefill node was probed")
 
-    monkeypatch.setattr(generate_cli, "load_model", no_model)
+    monkeypatch.setattr(generate, "load_model", no_model)
     prompt = tmp_path / "p.txt"
     prompt.write_text("hello")
     port = _closed_port()
@@ -498,24 +499,24 @@ def test_the_real_command_against_a_closed_port_fails_within_two_seconds(tmp_pat
 
 def test_the_probe_passes_where_someone_listens_and_names_the_address_where_not() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
-        generate_cli.probe(server.getsockname()[:2], 1.0)
+        generate.probe(server.getsockname()[:2], 1.0)
     port = _closed_port()
     with pytest.raises(ConnectError, match=f"--connect 127.0.0.1:{port}: no prefill node there"):
-        generate_cli.probe(("127.0.0.1", port), 1.0)
+        generate.probe(("127.0.0.1", port), 1.0)
 
 
 def test_bad_flags_still_fail_before_the_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_probe(server: Any, timeout: float) -> None:
         raise AssertionError("probed before the flags were checked")
 
-    monkeypatch.setattr(generate_cli, "probe", no_probe)
+    monkeypatch.setattr(generate, "probe", no_probe)
     prompt = tmp_path / "p.txt"
     prompt.write_text("hello")
     parser = argparse.ArgumentParser()
-    generate_cli.add_arguments(parser)
+    generate.add_arguments(parser)
     for flags, message in ((["--timeline", str(tmp_path / "t.gif")], "--timeline: .* must end in"),
                            (["--timeline", str(tmp_path / "nowhere" / "t.png")], "--timeline: folder")):
         args = parser.parse_args(["--connect", "127.0.0.1:1", "--prompt-file", str(prompt),
                                   "--json", str(tmp_path / "o.json"), *flags])
         with pytest.raises(Exception, match=message):
-            generate_cli.run(args)
+            generate.run(args)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lynx_bench.cli import main
-from lynx_bench.link_config import (
+from lynx_bench.netem.config import (
     MAX_HOSTS,
     Host,
     LinkConfig,

@@ -1,4 +1,4 @@
-"""`lynx load`'s pure logic (lynx_bench.load): arrivals, rates, rows, percentiles,
+"""`lynx load`'s pure logic (lynx_bench.load.logic): arrivals, rates, rows, percentiles,
 the summary and load.json. No sockets, no processes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lynx_bench.load import (
+from lynx_bench.load.logic import (
     REQUEST_FIELDS,
     SUMMARY_FIELDS,
     LoadConfig,

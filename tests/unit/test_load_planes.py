@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from lynx_bench import cli, load_cli
-from lynx_bench.load import DecodeMode, LoadConfig, ModelShape, job_split, request_bytes, summarize, summary_table
-from lynx_bench.processes import ChildError
+from lynx_bench import cli
+from lynx_bench.common.processes import ChildError
+from lynx_bench.load import cli as load_cli
+from lynx_bench.load.logic import DecodeMode, LoadConfig, ModelShape, job_split, request_bytes, summarize, summary_table
 from lynx_decode.codec.config import Scheme
 from lynx_transport.errors import ConfigError
 

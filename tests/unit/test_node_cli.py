@@ -2,7 +2,7 @@
 reaches what it bounds: the transport's config and ``connect``, or the node's waits.
 
 The nodes are built from the parsed command line exactly as the CLI builds them
-(``serve_cli.prefill_node``, ``generate_cli.decode_node``), over a transport that
+(``serve.prefill_node``, ``generate.decode_node``), over a transport that
 records what the node asks of it and hands each call to the real UCX transport.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from lynx_bench import generate_cli, serve_cli
 from lynx_bench.cli import _parser, configure_logging
-from lynx_bench.node_args import timeout_argv, timeouts
-from lynx_bench.sweep import config_from_args
+from lynx_bench.common.node_args import timeout_argv, timeouts
+from lynx_bench.nodes import generate, serve
+from lynx_bench.sweep.cli import config_from_args
 from lynx_decode.codec.config import Scheme
 from lynx_decode.model.protocol import ModelInfo
 from lynx_decode.timeouts import Timeouts
@@ -104,10 +104,10 @@ def test_transport_timeouts_reach_the_listener(flag: str, field: str, command: s
     spy = Spy()
     if command == "serve":
         args = _parser().parse_args(["serve", "--no-prefill-cache", flag, "0.75"])
-        node: Any = serve_cli.prefill_node(args, InfoOnly(), transport=spy)  # type: ignore[arg-type]
+        node: Any = serve.prefill_node(args, InfoOnly(), transport=spy)  # type: ignore[arg-type]
     else:
         args = _generate_args(flag, "0.75", tmp_path=tmp_path)
-        node = generate_cli.decode_node(args, InfoOnly(), transport=spy)  # type: ignore[arg-type]
+        node = generate.decode_node(args, InfoOnly(), transport=spy)  # type: ignore[arg-type]
     with node:
         [config] = spy.listens
         assert getattr(config, field) == 0.75
@@ -117,7 +117,7 @@ def test_transport_timeouts_reach_the_listener(flag: str, field: str, command: s
 def test_connect_timeout_reaches_connect(tmp_path: Any) -> None:
     spy = Spy()
     args = _generate_args("--connect-timeout", "0.4", tmp_path=tmp_path)
-    node = generate_cli.decode_node(args, InfoOnly(), transport=spy)  # type: ignore[arg-type]
+    node = generate.decode_node(args, InfoOnly(), transport=spy)  # type: ignore[arg-type]
     with node, pytest.raises(ConnectError):
         node.run(("127.0.0.1", _closed_port()), [1, 2, 3], scheme=Scheme.INT8)
     [(_, timeout, config)] = spy.connects
@@ -128,7 +128,7 @@ def test_connect_timeout_reaches_connect(tmp_path: Any) -> None:
 @pytest.mark.parametrize("flag", ["--stream-timeout", "--timeout"])
 def test_stream_and_residual_timeouts_reach_the_decode_node(flag: str, tmp_path: Any) -> None:
     args = _generate_args(flag, "7", "--residual-timeout", "2.5", tmp_path=tmp_path)
-    with generate_cli.decode_node(args, InfoOnly(), transport=Spy()) as node:  # type: ignore[arg-type]
+    with generate.decode_node(args, InfoOnly(), transport=Spy()) as node:  # type: ignore[arg-type]
         assert node.timeouts == Timeouts(stream_s=7.0, residual_s=2.5)
         assert node.timeout_s == 7.0
 
@@ -136,7 +136,7 @@ def test_stream_and_residual_timeouts_reach_the_decode_node(flag: str, tmp_path:
 def test_serve_stream_timeout_reaches_the_prefill_node() -> None:
     args = _parser().parse_args(["serve", "--no-prefill-cache", "--stream-timeout", "9",
                                  "--connect-timeout", "3"])
-    with serve_cli.prefill_node(args, InfoOnly(), transport=Spy()) as node:  # type: ignore[arg-type]
+    with serve.prefill_node(args, InfoOnly(), transport=Spy()) as node:  # type: ignore[arg-type]
         assert node.timeouts == Timeouts(connect_s=3.0, stream_s=9.0)
         assert node.stream_timeout_s == 9.0
 
@@ -179,7 +179,7 @@ def test_serve_rate_shapes_the_whole_egress_and_admission_flags_reach_the_node()
     spy = Spy()
     args = _parser().parse_args(["serve", "--no-prefill-cache", "--rate", "2.5", "--max-pending", "3",
                                  "--memory-cache", "0"])
-    with serve_cli.prefill_node(args, InfoOnly(), transport=spy) as node:  # type: ignore[arg-type]
+    with serve.prefill_node(args, InfoOnly(), transport=spy) as node:  # type: ignore[arg-type]
         [rate] = spy.rates
         assert rate.gbps == 2.5
         assert node.max_pending == 3
@@ -190,7 +190,7 @@ def test_serve_rate_shapes_the_whole_egress_and_admission_flags_reach_the_node()
 def test_serve_lane_policy_reaches_the_egress(policy: str) -> None:
     spy = Spy()
     args = _parser().parse_args(["serve", "--no-prefill-cache", "--lane-policy", policy])
-    with serve_cli.prefill_node(args, InfoOnly(), transport=spy):  # type: ignore[arg-type]
+    with serve.prefill_node(args, InfoOnly(), transport=spy):  # type: ignore[arg-type]
         [egress] = spy.egresses
         assert egress.config.lane_policy.value == policy
 
@@ -200,7 +200,7 @@ def test_serve_lane_policy_reaches_the_egress(policy: str) -> None:
 def test_bad_serve_flags_are_config_errors_before_the_model_loads(flags: list[str]) -> None:
     args = _parser().parse_args(["serve", *flags])
     with pytest.raises(ConfigError, match=flags[0]):
-        serve_cli.run(args)
+        serve.run(args)
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
@@ -210,10 +210,10 @@ def test_ucx_flags_pin_the_nodes_transports(command: str, tmp_path: Any) -> None
     spy = Spy()
     flags = ["--ucx-tls", "tcp", "--ucx-net-devices", "lo"]
     if command == "serve":
-        node: Any = serve_cli.prefill_node(_parser().parse_args(["serve", "--no-prefill-cache", *flags]),
+        node: Any = serve.prefill_node(_parser().parse_args(["serve", "--no-prefill-cache", *flags]),
                                            InfoOnly(), transport=spy)  # type: ignore[arg-type]
     else:
-        node = generate_cli.decode_node(_generate_args(*flags, tmp_path=tmp_path), InfoOnly(),
+        node = generate.decode_node(_generate_args(*flags, tmp_path=tmp_path), InfoOnly(),
                                         transport=spy)  # type: ignore[arg-type]
     with node:
         [config] = spy.listens

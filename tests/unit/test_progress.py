@@ -1,4 +1,4 @@
-"""The CLI's progress bar (``lynx_bench.progress``): it names the phase, and its time
+"""The CLI's progress bar (``lynx_bench.common.progress``): it names the phase, and its time
 left comes from timed items only, none before the first (a start-up of a minute is
 not an estimate of half an hour)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lynx_bench.progress import progress_bar, time_left
+from lynx_bench.common.progress import progress_bar, time_left
 
 
 def test_time_left_is_the_mean_timed_item_times_the_items_left() -> None:

@@ -12,7 +12,7 @@ import pytest
 import lynx_transport.errors as errors
 
 #: Each layer's own errors module (its branch of the one tree).
-ERROR_MODULES = ["lynx_transport.errors", "lynx_decode.errors", "lynx_bench.errors"]
+ERROR_MODULES = ["lynx_transport.errors", "lynx_decode.errors", "lynx_bench.common.errors"]
 
 PACKAGES = ["lynx_transport", "lynx_decode", "lynx_kernels", "lynx_bench"]
 
@@ -37,13 +37,13 @@ def test_errors_are_defined_in_the_layer_that_raises_them() -> None:
     """The codec's and the model's errors in lynx_decode, the link's in lynx_bench;
     the transport's module keeps only the root, the transport's branch and the
     root-level errors every layer raises."""
-    from lynx_bench.errors import LinkError
+    from lynx_bench.common.errors import LinkError
     from lynx_decode import errors as decode
 
     for cls in (decode.CodecError, decode.LayoutError, decode.DecodeError, decode.ModelError,
                 decode.PromptError):
         assert cls.__module__ == "lynx_decode.errors", cls
-    assert LinkError.__module__ == "lynx_bench.errors"
+    assert LinkError.__module__ == "lynx_bench.common.errors"
     for name in errors.__all__:
         cls = getattr(errors, name)
         assert cls is errors.LynxError or issubclass(cls, errors.TransportError) \

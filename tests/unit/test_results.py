@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from lynx_bench.plots import plot_accuracy, plot_ttft_vs_bandwidth, scheme_colors
-from lynx_bench.results import (
+from lynx_bench.sweep.plots import plot_accuracy, plot_ttft_vs_bandwidth, scheme_colors
+from lynx_bench.sweep.results import (
     COLUMNS,
     Row,
     first_token_correct,
@@ -196,7 +196,7 @@ def test_means_are_fractions_for_zero_one_fields() -> None:
 
 
 def test_physical_limit_is_anchor_bytes_at_the_link_rate_plus_a_layer_and_the_head() -> None:
-    from lynx_bench.sweep_worker import physical_limit
+    from lynx_bench.sweep.worker import physical_limit
 
     m = {"step_s": 0.1, "bytes_anchor": 125_000_000}
     # decode steps of 0.1 s; 30 layers; a head of 10 ms: 1 s of bytes + 3 ms + 10 ms
@@ -206,7 +206,7 @@ def test_physical_limit_is_anchor_bytes_at_the_link_rate_plus_a_layer_and_the_he
 
 
 def test_crossover_lines_say_what_the_sweep_shows() -> None:
-    from lynx_bench.results import crossover_lines
+    from lynx_bench.sweep.results import crossover_lines
 
     lines = crossover_lines(_rows(SPLITS))
     assert len(lines) == 3

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from lynx_bench import serve_cli
 from lynx_bench.cli import _parser
-from lynx_bench.node_args import SECRET_ENV, transport_config
+from lynx_bench.common.node_args import SECRET_ENV, transport_config
+from lynx_bench.nodes import serve
 
 
 class Stop(Exception):
@@ -24,10 +24,10 @@ def _startup_warnings(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCapture
     def stop(args: Any) -> None:
         raise Stop
 
-    monkeypatch.setattr(serve_cli, "load_model", stop)
+    monkeypatch.setattr(serve, "load_model", stop)
     caplog.clear()
     with caplog.at_level(logging.WARNING), pytest.raises(Stop):
-        serve_cli.run(_parser().parse_args(["serve", *flags]))
+        serve.run(_parser().parse_args(["serve", *flags]))
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -71,8 +71,8 @@ def test_a_secret_file_or_the_env_variable_silences_it(
 
 def test_the_decision_from_the_parsed_flags() -> None:
     args = _parser().parse_args(["serve", "--listen", "0.0.0.0:7000"])
-    assert serve_cli.exposure_warning(args.listen, transport_config(args).secret) is not None
-    assert serve_cli.exposure_warning(args.listen, b"x" * 16) is None
-    assert serve_cli.exposure_warning("127.0.0.1:7000", None) is None
-    assert not serve_cli.is_loopback("no-such-host.invalid")
-    assert not serve_cli.is_loopback("0.0.0.0")
+    assert serve.exposure_warning(args.listen, transport_config(args).secret) is not None
+    assert serve.exposure_warning(args.listen, b"x" * 16) is None
+    assert serve.exposure_warning("127.0.0.1:7000", None) is None
+    assert not serve.is_loopback("no-such-host.invalid")
+    assert not serve.is_loopback("0.0.0.0")

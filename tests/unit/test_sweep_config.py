@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lynx_bench.sweep import _jobs, _request, add_arguments, config_from_args
-from lynx_bench.sweep_config import (
+from lynx_bench.sweep.cli import _jobs, _request, add_arguments, config_from_args
+from lynx_bench.sweep.config import (
     QUICK,
     SweepConfig,
     SweepScheme,

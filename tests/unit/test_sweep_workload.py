@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from lynx_bench.sweep import _Job, _rows
-from lynx_bench.sweep_config import DEFAULT_WORKLOAD, TEXT_CONTINUATION, SweepConfig, SweepWorkload
+from lynx_bench.sweep.cli import _Job, _rows
+from lynx_bench.sweep.config import DEFAULT_WORKLOAD, TEXT_CONTINUATION, SweepConfig, SweepWorkload
 from lynx_transport.errors import ConfigError
 
 

@@ -13,7 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from lynx_bench.timeline import timeline_figure, token_events, write_timeline
+from lynx_bench.nodes.timeline import timeline_figure, token_events, write_timeline
 from lynx_decode.events import Committed, DecodeMetrics, Done, Rollback, Tentative, Unverified
 from tests.unit.test_generate_stream import REPO, _child
 

@@ -1,4 +1,4 @@
-"""``make vllm-bench``'s pure parts (:mod:`lynx_bench.vllm_bench_summary`): the flags, the rate rule
+"""``make vllm-bench``'s pure parts (:mod:`lynx_bench.vllm.bench_summary`): the flags, the rate rule
 and ``summary.json``'s rows from a saved ``vllm bench serve`` result (a hand-written fixture in the
 shape of a real run's ``--save-result --save-detailed`` JSON), the proxy's and the consumer's
 records. No vLLM here: Lynx's main environment runs these."""
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lynx_bench.vllm_bench_summary import (
+from lynx_bench.vllm.bench_summary import (
     BenchConfig,
     Connector,
     auto_rate,
@@ -155,7 +155,7 @@ def test_a_rate_is_held_by_tc_on_the_namespace_link_and_no_rate_is_loopback() ->
 
 
 def test_nixl_servers_use_ucx_over_tcp_only_on_the_links_veth() -> None:
-    from lynx_bench.vllm_bench import NIXL_EXTRA, nixl_env
+    from lynx_bench.vllm.bench import NIXL_EXTRA, nixl_env
 
     env = nixl_env("127.0.0.1", 5601, None)
     assert env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
@@ -165,7 +165,7 @@ def test_nixl_servers_use_ucx_over_tcp_only_on_the_links_veth() -> None:
 
 
 def test_on_loopback_every_role_runs_here_at_127_0_0_1() -> None:
-    from lynx_bench.vllm_bench import Hosts
+    from lynx_bench.vllm.bench import Hosts
 
     hosts = Hosts(None)
     try:

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from lynx_bench.workload import (
+from lynx_bench.accuracy.workload import (
     DEFAULT_DEPTHS,
     PassKeyCase,
     PromptStyle,
