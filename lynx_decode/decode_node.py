@@ -44,9 +44,9 @@ from lynx_decode.request import BUSY_PREFIX, KVRequest, PromptKind, parse_error_
 from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull, generate
 from lynx_decode.split_choice import DEFAULT_STEP_S, SplitChoice, choose_split_or_default
 from lynx_decode.timeouts import Timeouts
-from lynx_transport import Lane, ReceivedRegion, ReceivePool, ReceiveStream, TransportConfig
+from lynx_transport import UCX, Lane, ReceivedRegion, ReceivePool, ReceiveStream, TransportConfig
 from lynx_transport.errors import ClosedError, LynxError, StreamFailedError, TransportError
-from lynx_transport.seam import UCX, ReceiverCallbacks, Sender, Transport
+from lynx_transport.seam import ReceiverCallbacks, Sender, Transport
 
 __all__ = ["DecodeNode", "RunResult"]
 

@@ -66,9 +66,9 @@ from lynx_decode.model.protocol import CausalLM, Prefill
 from lynx_decode.prefill_cache import PrefillCache
 from lynx_decode.request import BUSY_PREFIX, MAX_PROMPT_BYTES, KVRequest, error_reply
 from lynx_decode.timeouts import Timeouts
-from lynx_transport import Lane, Rate, ReceivePool, ReceiveStream, TransportConfig
+from lynx_transport import UCX, Lane, Rate, ReceivePool, ReceiveStream, TransportConfig
 from lynx_transport.errors import ConfigError, LynxError, TransportError
-from lynx_transport.seam import UCX, ReceiverCallbacks, Sender, Transport
+from lynx_transport.seam import ReceiverCallbacks, Sender, Transport
 
 __all__ = ["PrefillNode"]
 

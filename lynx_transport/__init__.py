@@ -49,8 +49,10 @@ from lynx_transport.stats import LaneStats, TransportStats
 from lynx_transport.ucx.connection import Connection, connect
 from lynx_transport.ucx.egress import Egress
 from lynx_transport.ucx.receiver import Receiver
+from lynx_transport.ucx.transport import UCX
 
 __all__ = [
+    "UCX",
     "Connection",
     "Egress",
     "Lane",

@@ -17,8 +17,9 @@ case, a connection with an egress of its own.
 
 Two implementations:
 
-* :data:`UCX` (:class:`UcxTransport`): the real one, :func:`~lynx_transport.connect`
-  and :class:`~lynx_transport.Receiver` (UCX data path, TCP control channel).
+* :data:`lynx_transport.UCX` (:class:`~lynx_transport.ucx.transport.UcxTransport`): the
+  real one, :func:`~lynx_transport.connect` and :class:`~lynx_transport.Receiver` (UCX
+  data path, TCP control channel).
 * ``lynx_transport.testing.MemoryTransport``: an in-process twin with the same
   semantics (lanes in priority order, a shared egress, held lanes, cancel,
   abandon, a peer that goes away) and no sockets, for fast tests of the layers above.
@@ -56,12 +57,8 @@ from lynx_transport.protocol.pool import ReceivePool
 from lynx_transport.protocol.shaper import Rate
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.send_stream import SendStream
-from lynx_transport.ucx.connection import connect
-from lynx_transport.ucx.egress import Egress
-from lynx_transport.ucx.receiver import Receiver
 
-__all__ = ["UCX", "EgressLike", "Listener", "ReceiverCallbacks", "Sender", "Transport",
-           "UcxTransport"]
+__all__ = ["EgressLike", "Listener", "ReceiverCallbacks", "Sender", "Transport"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,30 +180,3 @@ class Transport(Protocol):
                callbacks: ReceiverCallbacks | None = None) -> Listener:
         """Listen on ``(host, port)`` (0: an ephemeral port), receiving into ``pool``;
         ``TransportError`` when the address cannot be bound."""
-
-
-class UcxTransport:
-    """The real transport: UCX data path, TCP control channel (:mod:`lynx_transport.ucx.connection`,
-    :mod:`lynx_transport.ucx.receiver`). Stateless; use the :data:`UCX` instance."""
-
-    def __repr__(self) -> str:
-        return "UCX"
-
-    def connect(self, address: tuple[str, int], *, timeout: float,
-                config: TransportConfig | None = None) -> Sender:
-        return connect(address, timeout=timeout, config=config)
-
-    def egress(self, config: TransportConfig | None = None) -> EgressLike:
-        """A shared egress (:class:`~lynx_transport.ucx.egress.Egress`) for a sending node
-        with several receivers; starts UCX at once. The caller closes it."""
-        return Egress(config)
-
-    def listen(self, pool: ReceivePool, *, host: str = "127.0.0.1", port: int = 0,
-               config: TransportConfig | None = None,
-               callbacks: ReceiverCallbacks | None = None) -> Listener:
-        return Receiver(pool, host=host, port=port, config=config,
-                        **(callbacks or ReceiverCallbacks()).as_kwargs())
-
-
-#: The real transport (UCX + TCP control); the default of every node.
-UCX: Transport = UcxTransport()

@@ -40,9 +40,9 @@ from lynx_decode.errors import DecodeError
 from lynx_decode.kvstream import KVHeader, region_name, request_id_of, warm_up_codec
 from lynx_decode.model.protocol import ModelInfo
 from lynx_decode.request import KVRequest, parse_error_reply
-from lynx_transport import Lane, ReceivePool, ReceiveStream
+from lynx_transport import UCX, Lane, ReceivePool, ReceiveStream
 from lynx_transport.errors import LynxError, TransportError
-from lynx_transport.seam import UCX, ReceiverCallbacks, Sender, Transport
+from lynx_transport.seam import ReceiverCallbacks, Sender, Transport
 from lynx_vllm.config import ConnectorConfig, LoadMode, Planes, resolve_split
 from lynx_vllm.errors import LoadError
 

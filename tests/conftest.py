@@ -70,7 +70,7 @@ def transport(request: pytest.FixtureRequest):
         from lynx_transport.testing import MemoryTransport
 
         return MemoryTransport()
-    from lynx_transport.seam import UCX
+    from lynx_transport import UCX
 
     return UCX
 

@@ -51,9 +51,9 @@ from lynx_decode.codec.config import Scheme
 from lynx_decode.kvstream import KVHeader
 from lynx_decode.request import KVRequest, parse_error_reply
 from lynx_decode.timeouts import Timeouts
-from lynx_transport import Lane, ReceivePool, ReceiveStream, SendStream, TransportConfig
+from lynx_transport import UCX, Lane, ReceivePool, ReceiveStream, SendStream, TransportConfig
 from lynx_transport.errors import LynxError, TransportError
-from lynx_transport.seam import UCX, Listener, ReceiverCallbacks, Sender
+from lynx_transport.seam import Listener, ReceiverCallbacks, Sender
 
 __all__ = ["Sink", "Emitter", "add_ucx_arguments", "transport_config", "main"]
 

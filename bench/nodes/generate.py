@@ -41,8 +41,9 @@ from lynx_bench.nodes.token_stream import TokenStream
 from lynx_bench.sweep.config import lynx_scheme_name, parse_planes_flag
 from lynx_decode.codec.config import ANCHOR_BITS, DEFAULT_ANCHOR_BITS, MAX_BITS, MIN_BITS
 from lynx_decode.errors import PromptError
+from lynx_transport import UCX
 from lynx_transport.errors import ConfigError, ConnectError
-from lynx_transport.seam import UCX, Transport
+from lynx_transport.seam import Transport
 
 if TYPE_CHECKING:
     from lynx_decode.decode_node import DecodeNode

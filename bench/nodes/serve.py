@@ -30,11 +30,12 @@ from lynx_bench.common.node_args import (
     timeouts,
     transport_config,
 )
+from lynx_transport import UCX
 from lynx_transport.config import MIN_SECRET_BYTES, TransportConfig
 from lynx_transport.errors import ConfigError
 from lynx_transport.protocol.scheduler import LanePolicy
 from lynx_transport.protocol.shaper import Rate
-from lynx_transport.seam import UCX, Transport
+from lynx_transport.seam import Transport
 
 BURST_BYTES = 1 << 20  # as the prefill node's per-request shaping
 

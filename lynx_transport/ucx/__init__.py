@@ -1,8 +1,9 @@
 """The real transport: UCX data path, TCP control channel.
 
 Its public classes are exported by :mod:`lynx_transport` (``Receiver``, ``Connection``,
-``connect``, ``Egress``) and reached through :data:`lynx_transport.seam.UCX`; the
-modules here are the implementation.
+``connect``, ``Egress``, and ``UCX``, the :class:`~lynx_transport.seam.Transport` that
+:mod:`~lynx_transport.ucx.transport` builds from them); the modules here are the
+implementation.
 
 * :mod:`~lynx_transport.ucx.adapter`: the one module that touches ucxx (imported
   lazily, at the first UCX start, never at import) and maps its errors;
@@ -15,6 +16,7 @@ modules here are the implementation.
   :mod:`~lynx_transport.ucx.receiver_rail`, the per-peer and per-stream records
   :mod:`~lynx_transport.ucx.receiver_state`, and failed streams' leftovers
   :mod:`~lynx_transport.ucx.receiver_quarantine`;
+* :mod:`~lynx_transport.ucx.transport`: ``UcxTransport`` and its one instance ``UCX``;
 * the sending side: :mod:`~lynx_transport.ucx.egress` (``Egress``),
   :mod:`~lynx_transport.ucx.connection` (``Connection``, ``connect``, the handshake)
   and their I/O thread :mod:`~lynx_transport.ucx.sender_loop`.

@@ -11,9 +11,10 @@ other's insides (``memory.egress`` once named ``MemoryListener`` that way; it no
 The transport's layers point one way (CONTRIBUTING.md, "The transport"), checked on the
 same graph with the type-only imports: ``lynx_transport.protocol`` imports only itself and
 the leaf modules ``errors`` and ``lanes``; ``ucx`` and ``memory`` never import each other;
-of the top-level modules only ``__init__``, ``seam`` and ``testing`` import either. The
-subpackages' ``__init__`` files import nothing, and importing the transport (the in-memory
-twin included) does not import ucxx.
+of the top-level modules only ``__init__`` and ``testing`` import either, so no module the
+twin reaches through the graph (a submodule's import is not an edge to its package's
+``__init__``) is a ``ucx`` one. The subpackages' ``__init__`` files import nothing, and
+importing the transport (the in-memory twin included) does not import ucxx.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ def test_the_library_has_no_import_cycle(typing_too: bool) -> None:
 
 #: What each part of lynx_transport may import of lynx_transport (prefixes; see the module docstring).
 PROTOCOL_MAY_IMPORT = ("lynx_transport.protocol.", "lynx_transport.errors", "lynx_transport.lanes")
-#: The top-level modules that may import an implementation (the API, the seam's default, the kit).
-FRONTS = {"lynx_transport", "lynx_transport.seam", "lynx_transport.testing"}
+#: The top-level modules that may import an implementation (the API, the testing kit).
+FRONTS = {"lynx_transport", "lynx_transport.testing"}
 SUBPACKAGES = ("lynx_transport.protocol", "lynx_transport.ucx", "lynx_transport.memory")
 
 
@@ -167,6 +168,7 @@ def test_the_layering_check_finds_a_wrong_import() -> None:
     assert layering_violations(graph) == ["lynx_transport.config -> lynx_transport.ucx.adapter",
                                           "lynx_transport.memory.loop -> lynx_transport.ucx.loop",
                                           "lynx_transport.protocol.wire -> lynx_transport.config",
+                                          "lynx_transport.seam -> lynx_transport.ucx.receiver",
                                           "lynx_transport.ucx.loop -> lynx_transport.memory.loop"]
 
 
@@ -176,6 +178,28 @@ def test_the_transport_imports_one_way() -> None:
             "lynx_transport.memory.transport"} <= set(known)  # the walk found the layers
     graph = {name: imports_of(name, path, known, typing_too=True) for name, path in known.items()}
     assert layering_violations(graph) == []
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_twin_reaches_no_ucx_module() -> None:
+    known = modules()
+    graph = {name: imports_of(name, path, known, typing_too=True) for name, path in known.items()}
+    twin = [name for name in known if name.startswith("lynx_transport.memory.")]
+    assert "lynx_transport.memory.transport" in twin
+    assert "lynx_transport.seam" in reachable(graph, "lynx_transport.memory.transport")  # the walk works
+    for name in twin:
+        assert not {m for m in reachable(graph, name) if m.startswith("lynx_transport.ucx")}, name
 
 
 @pytest.mark.parametrize("package", SUBPACKAGES)

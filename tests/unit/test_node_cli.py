@@ -21,9 +21,11 @@ from lynx_bench.sweep.cli import config_from_args
 from lynx_decode.codec.config import Scheme
 from lynx_decode.model.protocol import ModelInfo
 from lynx_decode.timeouts import Timeouts
+from lynx_transport import UCX
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import ConfigError, ConnectError
-from lynx_transport.seam import UCX, EgressLike, Listener, ReceiverCallbacks, Sender, UcxTransport
+from lynx_transport.seam import EgressLike, Listener, ReceiverCallbacks, Sender
+from lynx_transport.ucx.transport import UcxTransport
 
 pytestmark = pytest.mark.ucx
 
