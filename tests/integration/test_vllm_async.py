@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from lynx_bench.vllm.driver import INSTALL_HINT, VllmNode, free_port, vllm_python
+from lynx_bench.vllm.driver import VllmNode, free_port
+from tests.integration.vllm_env import vllm_python_or_skip
 from tests.integration.vllm_models import (
     answer_ok,
     load_records,
@@ -36,9 +37,7 @@ from tests.integration.vllm_models import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ucx]
 
-PYTHON = vllm_python()
-if PYTHON is None:
-    pytest.skip(f"the vLLM environment is not installed: {INSTALL_HINT}", allow_module_level=True)
+PYTHON = vllm_python_or_skip()
 
 LAYERS = 8
 LINK_GBPS = 0.2

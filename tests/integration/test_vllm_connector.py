@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from lynx_bench.vllm.driver import INSTALL_HINT, VllmNode, free_port, vllm_python
+from lynx_bench.vllm.driver import VllmNode, free_port
+from tests.integration.vllm_env import vllm_python_or_skip
 from tests.integration.vllm_models import (
     answer_ok,
     load_records,
@@ -28,9 +29,7 @@ from tests.integration.vllm_models import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ucx]
 
-PYTHON = vllm_python()
-if PYTHON is None:
-    pytest.skip(f"the vLLM environment is not installed: {INSTALL_HINT}", allow_module_level=True)
+PYTHON = vllm_python_or_skip()
 
 LAYERS = 8
 PROMPT = 2000  # tokens: 16 MB of bf16 KV for the tiny model

@@ -15,13 +15,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from lynx_bench.vllm.driver import INSTALL_HINT, vllm_python
+from tests.integration.vllm_env import vllm_python_or_skip
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ucx]
 
-PYTHON = vllm_python()
-if PYTHON is None:
-    pytest.skip(f"the vLLM environment is not installed: {INSTALL_HINT}", allow_module_level=True)
+PYTHON = vllm_python_or_skip()
 httpx = pytest.importorskip("httpx", reason="the test client needs httpx: make install (the `test` extra)")
 from tests.integration.vllm_servers import (  # noqa: E402 - after the skips
     LAYERS,
