@@ -37,7 +37,9 @@ import numpy as np
 from lynx_decode.codec.config import DEFAULT_ANCHOR_BITS, CodecConfig, Scheme
 from lynx_decode.errors import DecodeError, PromptError, ServerBusyError
 from lynx_decode.events import Committed, Event, Tentative
-from lynx_decode.kvstream import KVAssembler, cache_bytes, lane_of, level_names, request_id_of, warm_up_codec
+from lynx_decode.kvassembler import KVAssembler
+from lynx_decode.kvheader import cache_bytes, lane_of, level_names, request_id_of
+from lynx_decode.kvsend import warm_up_codec
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import BUSY_PREFIX, KVRequest, PromptKind, parse_error_reply

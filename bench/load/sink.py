@@ -48,7 +48,7 @@ import numpy as np
 from lynx_bench.common.node_args import add_timeout_arguments, add_ucx_arguments, host_port, timeouts, ucx_settings
 from lynx_bench.load.logic import Status, job_split, prompt_set
 from lynx_decode.codec.config import Scheme
-from lynx_decode.kvstream import KVHeader
+from lynx_decode.kvheader import KVHeader
 from lynx_decode.request import KVRequest, parse_error_reply
 from lynx_decode.timeouts import Timeouts
 from lynx_transport import UCX, Lane, ReceivePool, ReceiveStream, SendStream, TransportConfig
