@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from lynx_decode.codec.config import DEFAULT_ANCHOR_BITS, CodecConfig, Scheme
+from lynx_decode.decode_config import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull
 from lynx_decode.errors import DecodeError, PromptError, ServerBusyError
 from lynx_decode.events import Committed, Event, Tentative
 from lynx_decode.kvassembler import KVAssembler
@@ -43,7 +44,7 @@ from lynx_decode.kvsend import warm_up_codec
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
 from lynx_decode.request import BUSY_PREFIX, KVRequest, PromptKind, parse_error_reply
-from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull, generate
+from lynx_decode.speculative import generate
 from lynx_decode.split_choice import DEFAULT_STEP_S, SplitChoice, choose_split_or_default
 from lynx_decode.timeouts import Timeouts
 from lynx_transport import UCX, Lane, ReceivedRegion, ReceivePool, ReceiveStream, TransportConfig

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from lynx_decode.codec import decode_layer
+from lynx_decode.decode_config import CacheLevel
 from lynx_decode.errors import DecodeError, LayoutError
 from lynx_decode.kvheader import TOKENS, KVHeader, level_names, parse_region_name, region_name
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import ModelInfo
-from lynx_decode.speculative import CacheLevel
 from lynx_transport import ReceivedRegion, ReceiveStream
 from lynx_transport.errors import LynxError, TransportError
 
