@@ -97,6 +97,11 @@ class KVAssembler:
         self._tokens_future: cf.Future[tuple[int, ...]] = cf.Future()
 
     @property
+    def arrivals(self) -> list[list[float]]:
+        """When each region of each plane landed (on :attr:`clock`), per plane, in arrival order."""
+        return self._arrivals
+
+    @property
     def levels(self) -> list[CacheLevel]:
         """The caches the decode engine drafts on and verifies against, coarsest
         first: each with its future, its buffers while they fill, and an estimate
