@@ -37,7 +37,8 @@ import numpy as np
 from lynx_decode.codec import decode_layer
 from lynx_decode.codec.config import Scheme
 from lynx_decode.errors import DecodeError
-from lynx_decode.kvstream import KVHeader, region_name, request_id_of, warm_up_codec
+from lynx_decode.kvheader import KVHeader, region_name, request_id_of
+from lynx_decode.kvsend import warm_up_codec
 from lynx_decode.model.protocol import ModelInfo
 from lynx_decode.request import KVRequest, parse_error_reply
 from lynx_transport import UCX, Lane, ReceivePool, ReceiveStream

@@ -49,7 +49,7 @@ from lynx_bench.common.node_args import add_timeout_arguments, add_ucx_arguments
 from lynx_bench.load.logic import job_split, prompt_set
 from lynx_bench.load.results import Status
 from lynx_decode.codec.config import Scheme
-from lynx_decode.kvstream import KVHeader
+from lynx_decode.kvheader import KVHeader
 from lynx_decode.request import KVRequest, parse_error_reply
 from lynx_decode.timeouts import Timeouts
 from lynx_transport import UCX, Lane, ReceivePool, ReceiveStream, SendStream, TransportConfig

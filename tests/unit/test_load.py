@@ -36,7 +36,7 @@ from lynx_bench.load.results import (
 )
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.codec.layout import CacheLayout, LayerLayout
-from lynx_decode.kvstream import KVHeader
+from lynx_decode.kvheader import KVHeader
 from lynx_transport.errors import ConfigError
 
 SMOLLM2 = ModelShape(layers=30, kv_heads=3, head_dim=64, vocab=49152, max_positions=8192)
