@@ -3,7 +3,7 @@
 :meth:`KVLoader.start` sends a pull request (a :class:`~lynx_decode.request.KVRequest`
 with the prompt's token ids, the scheme and this loader's receiver address) to
 the producer's prefill node; the cache comes back as a Lynx KV stream
-(:mod:`lynx_decode.kvstream`) into this loader's pre-registered receive pool,
+(:mod:`lynx_decode.kvheader`) into this loader's pre-registered receive pool,
 anchors first. :meth:`KVLoader.layer` waits for exactly one layer (every plane
 of it: the connector loads the exact cache) and decodes it. A synchronous load
 (``load: "sync"``) calls it from vLLM's ``wait_for_layer_load``, inside the

@@ -181,7 +181,7 @@ def request_bytes(shape: ModelShape, scheme: str, prompt_tokens: int,
     """``(anchor_lane_bytes, residual_lane_bytes)`` of the KV stream the prefill node
     sends for a prompt of ``prompt_tokens`` tokens (it caches ``prompt_tokens - 1``
     positions and sends all the ids as int32 on the anchor lane; see
-    :mod:`lynx_decode.kvstream`), encoded as the prefill node encodes ``scheme``
+    :mod:`lynx_decode.kvheader`), encoded as the prefill node encodes ``scheme``
     (LYNX with the split ``planes``; the residual: every lane after the anchor's)."""
     s = Scheme(scheme)
     codec = CodecConfig(scheme=s, planes=tuple(planes)) if s is Scheme.LYNX else CodecConfig(scheme=s)
