@@ -40,7 +40,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	# compile the codec's Numba kernels for this environment's numba once, not in every vLLM worker,
 	# into a cache of its own (lynx_bench.vllm.driver.numba_cache_env: one numba version's cache index
 	# is thrown away by another's, so sharing kernels/__pycache__ would recompile in every other process)
-	NUMBA_CACHE_DIR=$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -c 'from lynx_decode.kvstream import warm_up_codec; warm_up_codec()'
+	NUMBA_CACHE_DIR=$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -c 'from lynx_decode.kvsend import warm_up_codec; warm_up_codec()'
 	touch $@
 
 vllm-env: $(VLLM_STAMP)

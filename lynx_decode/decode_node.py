@@ -34,18 +34,23 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lynx_decode.awaited_streams import AwaitedStream, AwaitedStreams
 from lynx_decode.codec.config import DEFAULT_ANCHOR_BITS, CodecConfig, Scheme
-from lynx_decode.errors import DecodeError, PromptError, ServerBusyError
+from lynx_decode.decode_config import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull
+from lynx_decode.errors import DecodeError, PromptError
 from lynx_decode.events import Committed, Event, Tentative
-from lynx_decode.kvstream import KVAssembler, cache_bytes, lane_of, level_names, request_id_of, warm_up_codec
+from lynx_decode.kvassembler import KVAssembler
+from lynx_decode.kvheader import cache_bytes, lane_of, level_names
+from lynx_decode.kvsend import warm_up_codec
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.protocol import CausalLM
-from lynx_decode.request import BUSY_PREFIX, KVRequest, PromptKind, parse_error_reply
-from lynx_decode.speculative import DEFAULT_MAX_DRAFT, DecodeConfig, MissingFull, generate
+from lynx_decode.request import KVRequest, PromptKind
+from lynx_decode.run_metrics import run_metrics
+from lynx_decode.speculative import generate
 from lynx_decode.split_choice import DEFAULT_STEP_S, SplitChoice, choose_split_or_default
 from lynx_decode.timeouts import Timeouts
-from lynx_transport import UCX, Lane, ReceivedRegion, ReceivePool, ReceiveStream, TransportConfig
-from lynx_transport.errors import ClosedError, LynxError, StreamFailedError, TransportError
+from lynx_transport import UCX, Lane, ReceivePool, ReceiveStream, TransportConfig
+from lynx_transport.errors import ClosedError, StreamFailedError, TransportError
 from lynx_transport.seam import ReceiverCallbacks, Sender, Transport
 
 __all__ = ["DecodeNode", "RunResult"]
@@ -53,17 +58,6 @@ __all__ = ["DecodeNode", "RunResult"]
 log = logging.getLogger("lynx_decode.decode")
 
 DEFAULT_POOL_BYTES = 512 << 20
-
-
-@dataclasses.dataclass
-class _AwaitedStream:
-    """A run waiting for its KV stream: the future the stream's opening resolves, the
-    cache headroom it asked for, and the cache buffers taken for it (given back after)."""
-
-    future: cf.Future[KVAssembler]
-    headroom: int
-    prior_gbps: float | None = None  # the link rate expected (asked for, or seen before)
-    buffers: list[tuple[tuple[str, KVShape, int], KVBuffers]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +87,7 @@ class DecodeNode:
         self.timeout_s = self.timeouts.stream_s
         self.transport = transport
         self._transport_config = self.timeouts.transport(config)
-        self._pending: dict[str, _AwaitedStream] = {}
-        self._assemblers: dict[int, KVAssembler] = {}
-        self._lane_done: dict[int, dict[int, float]] = {}
-        self._release_on_complete: set[int] = set()
+        self._streams = AwaitedStreams(model, self._take_buffers)
         self._kv_free: dict[tuple[str, KVShape, int], list[KVBuffers]] = {}
         #: what ``planes="auto"`` knows: the link rate seen per server, the decode step seen
         self._seen_gbps: dict[tuple[str, int], float] = {}
@@ -108,103 +99,20 @@ class DecodeNode:
         self._receiver = transport.listen(
             ReceivePool(pool_bytes), host=host, config=self._transport_config,
             callbacks=ReceiverCallbacks(
-                on_stream_open=self._on_open, on_region=self._on_region,
-                on_lane_complete=self._on_lane, on_stream_complete=self._on_complete,
-                on_stream_failed=self._on_failed))
+                on_stream_open=self._streams.on_open, on_region=self._streams.on_region,
+                on_lane_complete=self._streams.on_lane, on_stream_complete=self._streams.on_complete,
+                on_stream_failed=self._streams.on_failed))
 
     @property
     def address(self) -> tuple[str, int]:
         return self._receiver.address
-
-    # -- transport callbacks (callback thread) ------------------------------------------------
-    def _on_open(self, stream: ReceiveStream) -> None:
-        error = parse_error_reply(stream.metadata)
-        if error is not None:
-            refused_id, message = error
-            self._release_on_complete.add(stream.stream_id)
-            with self._lock:
-                waiting = self._pending.pop(refused_id, None)
-            if waiting is not None and not waiting.future.done():
-                cls = ServerBusyError if message.startswith(BUSY_PREFIX) else DecodeError
-                waiting.future.set_exception(cls(f"the prefill node refused the request: {message}"))
-            return
-        request_id = request_id_of(stream.metadata)
-        with self._lock:
-            waiting = self._pending.get(request_id) if request_id else None
-        headroom = waiting.headroom if waiting is not None else 0
-        try:
-            assembler = KVAssembler(
-                stream, self.model.info, headroom=headroom,
-                prior_gbps=waiting.prior_gbps if waiting is not None else None,
-                allocate=lambda name, shape, room: self._take_buffers(name, shape, room, waiting))
-        except Exception as exc:  # noqa: BLE001 - every refusal must end the stream and reach the run
-            reason = exc if isinstance(exc, LynxError) else DecodeError(
-                f"cannot take the KV stream: {type(exc).__name__}: {exc}")
-            self._refuse(stream, request_id, reason)
-            return
-        with self._lock:
-            self._assemblers[stream.stream_id] = assembler
-            self._lane_done[stream.stream_id] = {}
-            waiting = self._pending.pop(assembler.header.request_id, None)
-        if waiting is None:
-            log.warning("KV stream %d answers no pending request; dropping it", stream.stream_id)
-            assembler.fail(DecodeError("no request for this stream"))
-            with self._lock:
-                self._assemblers.pop(stream.stream_id, None)
-                self._lane_done.pop(stream.stream_id, None)
-            self._end(stream, "no pending request for this stream")
-            return
-        waiting.future.set_result(assembler)
-
-    def _refuse(self, stream: ReceiveStream, request_id: str | None, reason: LynxError) -> None:
-        """Refuse a KV stream at its opening: the waiting run hears ``reason`` at once,
-        the stream ends (the sender is told) and its pool memory comes back."""
-        log.warning("rejecting KV stream %d from %s: %s", stream.stream_id, stream.peer, reason)
-        with self._lock:
-            rejected = self._pending.pop(request_id, None) if request_id else None
-        if rejected is not None and not rejected.future.done():
-            rejected.future.set_exception(reason)  # before anything that could block
-        self._end(stream, f"the decode node rejected the stream: {reason}")
-
-    def _end(self, stream: ReceiveStream, reason: str) -> None:
-        """End a stream this node will not use: abandon it while it is live (the
-        sender's stream fails with ``reason``); one that completed first is
-        released when its completion callback comes (never while still active)."""
-        self._release_on_complete.add(stream.stream_id)
-        try:
-            stream.abandon(reason)
-        except TransportError as exc:  # the connection is going: the transport ends the stream
-            log.warning("could not abandon stream %d: %s", stream.stream_id, exc)
-        if stream.state.terminal and stream.exception() is not None:
-            self._release_on_complete.discard(stream.stream_id)  # failed/cancelled: the transport frees it
-
-    def _on_complete(self, stream: ReceiveStream) -> None:
-        if stream.stream_id in self._release_on_complete:
-            self._release_on_complete.discard(stream.stream_id)
-            stream.release()
-
-    def _on_region(self, stream: ReceiveStream, region: ReceivedRegion) -> None:
-        assembler = self._assemblers.get(stream.stream_id)
-        if assembler is not None:
-            assembler.on_region(region)
-
-    def _on_lane(self, stream: ReceiveStream, lane: int) -> None:
-        done = self._lane_done.get(stream.stream_id)
-        if done is not None:
-            done[lane] = time.time()
-
-    def _on_failed(self, stream: ReceiveStream, error: TransportError) -> None:
-        self._release_on_complete.discard(stream.stream_id)  # the transport frees a failed stream
-        assembler = self._assemblers.get(stream.stream_id)
-        if assembler is not None:
-            assembler.on_failed(error)
 
     # -- cache buffers ------------------------------------------------------------------------
     #: Free cache buffers kept per (name, shape, headroom) for the next runs.
     KEEP_FREE = 2
 
     def _take_buffers(self, name: str, shape: KVShape, headroom: int,
-                      owner: _AwaitedStream | None) -> KVBuffers:
+                      owner: AwaitedStream | None) -> KVBuffers:
         """``name`` ("draft"/"full") cache buffers for ``shape``: a free pre-faulted set
         when one is left from an earlier run (see :meth:`prepare`), else new ones.
         Concurrent runs each get their own; :meth:`_give_back` returns them."""
@@ -306,10 +214,9 @@ class DecodeNode:
         hold = hold_residual and scheme is Scheme.LYNX and max_draft > 0
         request = KVRequest(request_id, scheme, split, kind, self.address, bandwidth_gbps,
                             hold_residual=hold)
-        waiting = _AwaitedStream(cf.Future(), max_new_tokens + max_draft + 2,
+        waiting = AwaitedStream(cf.Future(), max_new_tokens + max_draft + 2,
                            bandwidth_gbps if bandwidth_gbps is not None else self._seen_gbps.get(server))
-        with self._lock:
-            self._pending[request_id] = waiting
+        self._streams.add(request_id, waiting)
         try:
             result = self._run(server, request, payload, waiting, max_new_tokens=max_new_tokens,
                                max_draft=max_draft, hold=hold, on_missing_residual=on_missing_residual,
@@ -319,8 +226,7 @@ class DecodeNode:
             result.metrics["split_choice"] = None if choice is None else choice.reason
             return result
         finally:
-            with self._lock:
-                self._pending.pop(request_id, None)
+            self._streams.discard(request_id)
             self._give_back(waiting.buffers)
 
     def _choose_split(self, server: tuple[str, int], prompt: str | list[int], kind: PromptKind,
@@ -342,7 +248,7 @@ class DecodeNode:
         if step is not None:
             self._seen_step_s = step if self._seen_step_s is None else 0.5 * (self._seen_step_s + step)
 
-    def _run(self, server: tuple[str, int], request: KVRequest, payload: bytes, waiting: _AwaitedStream, *,
+    def _run(self, server: tuple[str, int], request: KVRequest, payload: bytes, waiting: AwaitedStream, *,
              max_new_tokens: int, max_draft: int, hold: bool, on_missing_residual: MissingFull,
              on_event: Callable[[Event], None] | None) -> RunResult:
         conn = self._connection(server)
@@ -398,11 +304,9 @@ class DecodeNode:
                 # Still receiving (a stalled residual, or the run failed): give the
                 # stream up; the sender is told and the transport frees its pool memory.
                 stream.abandon("the decode node finished without the rest of the stream")
-            with self._lock:
-                self._assemblers.pop(stream.stream_id, None)
-                lane_done = self._lane_done.pop(stream.stream_id, {})
+            lane_done = self._streams.finish(stream.stream_id)
         return RunResult(gen.tokens, self.model.detokenize(gen.tokens),
-                         _metrics(assembler, gen, lane_done, first_token, requested_at))
+                         run_metrics(assembler, gen, lane_done, first_token, requested_at))
 
     def _connection(self, server: tuple[str, int]) -> Sender:
         """The connection to ``server``, kept open for the next runs (one connect at a time)."""
@@ -425,9 +329,7 @@ class DecodeNode:
     def close(self) -> None:
         """Close the node: runs still waiting fail at once (``ClosedError``), streams in
         flight fail, connections and the listener close."""
-        with self._lock:
-            waiting, self._pending = list(self._pending.values()), {}
-            assemblers = list(self._assemblers.values())
+        waiting, assemblers = self._streams.take_all()
         closed = ClosedError("the decode node was closed")
         for w in waiting:
             if not w.future.done():
@@ -467,74 +369,6 @@ def _too_short(tokens: int) -> str:
         return "the prompt is empty"
     return (f"the prompt has {tokens} token; a prompt needs at least 2 tokens (the cache covers all "
             "but the last, which the decode node runs itself)")
-
-
-def _metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
-             first_token: list[float], requested_at: float) -> dict[str, Any]:
-    m = gen.metrics
-    t0 = assembler.header.t0_unix
-    out: dict[str, Any] = {
-        "scheme": assembler.scheme.value,
-        "prompt_tokens": assembler.header.prompt_tokens,
-        "ttft_s": m.ttft_s, "ttfct_s": m.ttfct_s, "e2e_s": m.e2e_s,
-        "acceptance_rate": m.acceptance_rate, "drafted": m.drafted, "accepted": m.accepted,
-        "new_tokens": m.new_tokens, "stopped_at_eos": m.stopped_at_eos,
-        "verified": m.verified, "unverified_reason": m.unverified_reason,
-        "dequant_s": assembler.dequant_s,
-        "draft_ready_s": (assembler.timings["draft_ready"] - t0
-                          if "draft_ready" in assembler.timings else None),
-        "full_ready_s": (assembler.timings["full_ready"] - t0
-                         if "full_ready" in assembler.timings else None),
-        # the first token out: tentative, or committed when the first pass read exact K/V
-        # in every layer (then no verify pass ran)
-        "first_tentative_s": first_token[0] - t0 if first_token else None,
-        "first_token_committed": m.first_token_committed, "verify_passes": m.verify_passes,
-        "first_pass_levels": list(m.first_pass_levels),
-        # when the first anchor region landed (t0 to it: the prefill node's
-        # encoding if it encodes on the way out, the opening of the stream, one region)
-        "first_anchor_s": (assembler.timings["plane0_first"] - t0
-                           if "plane0_first" in assembler.timings else None),
-        # when the first region of plane 1 (the residual's first plane) landed
-        "first_residual_s": (assembler.timings["plane1_first"] - t0
-                             if "plane1_first" in assembler.timings else None),
-        # the engine: when it took the full cache (after its draft step in progress)
-        # and how long the one verification pass took
-        "full_taken_s": m.full_ready_s, "verify_s": m.verify_s,
-        # when the engine's first (drafting) step started; None when it did not draft
-        "draft_start_s": m.draft_start_s,
-        # the shared wall clock's t0 (the prefill node's), and when each region of each
-        # plane landed (seconds from t0, per plane, in arrival order)
-        "t0_unix": t0,
-        "arrivals_s": [[t - t0 for t in times] for times in assembler._arrivals],
-        # bytes of one layer's region per plane (the largest layer's: sliding-window
-        # layers send less, see layer_bytes), and of every layer's, [plane][layer]
-        "region_bytes": [max(sizes) for sizes in assembler.layer_bytes],
-        "layer_bytes": [list(sizes) for sizes in assembler.layer_bytes],
-        # what the same scheme would have sent with every layer whole (no window)
-        "bytes_naive": assembler.header.naive_bytes(),
-        "layer_windows": [g.window for g in assembler.header.geometry],
-    }
-    # "anchor" is lane 0, "residual" every later plane's lane together (done when the last is)
-    anchor_lane = int(Lane.ANCHOR)
-    later = [lane_of(p) for p in range(1, assembler.num_planes)]
-    out["bytes_anchor"] = sum(r.nbytes for r in assembler.stream.regions if r.lane == anchor_lane)
-    out["bytes_residual"] = sum(r.nbytes for r in assembler.stream.regions if r.lane != anchor_lane)
-    out["transfer_anchor_s"] = lane_done[anchor_lane] - t0 if anchor_lane in lane_done else None
-    out["transfer_residual_s"] = (max(lane_done[lane] for lane in later) - t0
-                                  if later and all(lane in lane_done for lane in later) else None)
-    out["bytes_total"] = out["bytes_anchor"] + out["bytes_residual"]
-    # The clock a user under load feels: from the moment this node sent its request,
-    # so the prefill node's queue and prefill count (the *_s above start at t0).
-    queue_s = t0 - requested_at
-    out["queue_s"] = queue_s
-    for name in ("ttft", "ttfct", "e2e"):
-        value = out[f"{name}_s"]
-        out[f"{name}_from_request_s"] = None if value is None else value + queue_s
-    # one decode step on the exact cache: the greedy steps after the first commit
-    # (which held the accepted drafts plus one token)
-    steps = m.new_tokens - 1 - m.accepted
-    out["step_s"] = None if m.ttfct_s is None or steps < 1 else (m.e2e_s - m.ttfct_s) / steps
-    return out
 
 
 def _once(event: threading.Event, eta: Callable[[], float | None] | None) -> Callable[[], float | None]:

@@ -4,7 +4,7 @@ The prefill node holds a prompt's cache in the forms its decode nodes pull (the
 INT8 codes and scales, a LYNX split, ...), each an :class:`EncodedCache`:
 every layer's plane buffers, for the positions the layer keeps (a sliding-window
 layer its window's last ``window - 1``, see :mod:`lynx_decode.model.geometry`).
-:func:`~lynx_decode.kvstream.send_cache` sends one as it is, or encodes a
+:func:`~lynx_decode.kvsend.send_cache` sends one as it is, or encodes a
 :class:`~lynx_decode.model.protocol.Prefill` layer by layer on the way out.
 
 A model whose caches arrive layer by layer from elsewhere (vLLM's producer,

@@ -61,7 +61,7 @@ import numpy as np
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import DecodeError
 from lynx_decode.kvencode import EncodedCache, EncodedSource, encode_cache
-from lynx_decode.kvstream import send_cache, warm_up_codec
+from lynx_decode.kvsend import send_cache, warm_up_codec
 from lynx_decode.model.protocol import CausalLM, Prefill
 from lynx_decode.prefill_cache import PrefillCache
 from lynx_decode.request import BUSY_PREFIX, MAX_PROMPT_BYTES, KVRequest, error_reply

@@ -3,7 +3,7 @@
 A request is a one-region transport stream to the prefill node's listener: the
 region ``prompt`` holds the prompt (UTF-8 text, or int32 token ids), the stream
 metadata a :class:`KVRequest` (JSON). The prefill node answers by connecting to
-``reply_to`` and sending either the KV stream (:mod:`lynx_decode.kvstream`) or
+``reply_to`` and sending either the KV stream (:mod:`lynx_decode.kvheader`) or
 an empty stream whose metadata is an error reply (:func:`error_reply`), so the
 decode node never waits out a timeout for a request that failed.
 """

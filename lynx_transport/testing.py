@@ -1,29 +1,28 @@
 """Testing kit: deterministic payloads, a sender in a child process, and an in-memory transport.
 
 Used by Lynx's own two-process tests and by ``lynx bench-transport``; handy for
-anyone embedding the transport. A :class:`PeerProcess` runs
-:func:`sender_server` in a ``spawn``-ed child and forwards every exception's
-full traceback to the parent (as :class:`PeerFailed`), so a failure in the
-child is never a silent hang. :class:`MemoryTransport` is an in-process twin of
-the UCX transport (:mod:`lynx_transport.seam`), for fast tests of the layers above.
+anyone embedding the transport. A :class:`PeerProcess`
+(:mod:`lynx_transport.peer_process`) runs :func:`sender_server` in a ``spawn``-ed
+child and forwards every exception's full traceback to the parent (as
+:class:`PeerFailed`), so a failure in the child is never a silent hang.
+:class:`MemoryTransport` is an in-process twin of the UCX transport
+(:mod:`lynx_transport.seam`), for fast tests of the layers above.
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from lynx_transport.memory.transport import MemoryTransport
+from lynx_transport.peer_process import PeerFailed, PeerProcess
 from lynx_transport.protocol.pool import host_buffer
 from lynx_transport.protocol.views import as_bytes_view
 from lynx_transport.protocol.wire import rail_of
@@ -105,79 +104,6 @@ def pattern(seed: int, nbytes: int) -> Any:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-class PeerFailed(AssertionError):
-    """The child raised; the message carries its traceback."""
-
-
-def _child(target: Any, conn: multiprocessing.connection.Connection, args: tuple) -> None:
-    # SIGUSR1 writes every thread's stack to stderr: the parent asks for it when a reply is late
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    try:
-        target(conn, *args)
-    except BaseException:  # noqa: BLE001 - forwarded to the parent
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except Exception:  # noqa: BLE001 - the parent may be gone
-            pass
-
-
-class PeerProcess:
-    """A child process speaking a request/response protocol over a pipe."""
-
-    def __init__(self, target: Any, *args: Any) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_child, args=(target, child, args), daemon=True)
-        self.process.start()
-        child.close()
-
-    def call(self, *request: Any, timeout: float = 60.0) -> Any:
-        """Send a request, wait (at most ``timeout`` s) for the reply, forward child errors."""
-        self._conn.send(request)
-        return self.reply(timeout)
-
-    def reply(self, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            alive = self.process.is_alive()
-            if alive and self.process.pid is not None:
-                os.kill(self.process.pid, signal.SIGUSR1)  # its threads' stacks, on its stderr
-                time.sleep(1.0)
-            where = "; the stacks of its threads are on its stderr" if alive else ""
-            raise PeerFailed(f"no reply from the child within {timeout} s (alive={alive}{where})")
-        kind, value = self._conn.recv()
-        if kind == "error":
-            raise PeerFailed(f"the child process failed:\n{value}")
-        return value
-
-    def kill(self) -> None:
-        """SIGKILL the child (a crash, as far as its peers can tell)."""
-        if self.process.pid is not None and self.process.is_alive():
-            os.kill(self.process.pid, signal.SIGKILL)
-        self.process.join(10)
-
-    def signal(self, signum: int) -> None:
-        """Send ``signum`` to the child (e.g. ``SIGSTOP`` to make it silent without closing)."""
-        if self.process.pid is not None and self.process.is_alive():
-            os.kill(self.process.pid, signum)
-
-    def close(self, timeout: float = 10.0) -> None:
-        if self.process.is_alive():
-            try:
-                self._conn.send(("exit",))
-            except OSError:
-                pass
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.kill()
-        self._conn.close()
-
-    def __enter__(self) -> PeerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def _rate(spec: tuple[float, int] | None) -> Any:
     from lynx_transport.protocol.shaper import Rate  # noqa: PLC0415
 
@@ -207,127 +133,151 @@ def sender_server(pipe: multiprocessing.connection.Connection, address: tuple[st
     * ``("link_rate", (gbps, burst) | None)``, ``("lane_rate", lane, (gbps, burst) | None)``.
     * ``("rates",)``, ``("stats",)``.
     """
-    from lynx_transport.errors import TransportError  # noqa: PLC0415
     from lynx_transport.ucx.connection import connect  # noqa: PLC0415
 
     if nice is not None:
         prioritise_thread(nice)
     conn = connect(address, timeout=10.0, config=config)
-    keep: list[Any] = []  # buffers of streams in flight stay alive
-    started: dict[int, Any] = {}
-    opened_specs: dict[int, dict[str, tuple[int, int]]] = {}
-
-    def timings(stream: Any) -> dict[str, Any]:
-        opened = stream.opened_at
-        return {
-            "stream_id": stream.stream_id,
-            "state": stream.state.value,
-            "error": None if stream.exception() is None else
-            f"{type(stream.exception()).__name__}: {stream.exception()}",
-            "error_type": None if stream.exception() is None else type(stream.exception()).__name__,
-            "lane_s": {int(k): v - opened for k, v in stream.lane_completed_at.items()},
-            "lane_data_s": {} if stream.started_at is None else
-            {int(k): v - stream.started_at for k, v in stream.lane_completed_at.items()},
-            "total_s": None if stream.completed_at is None else stream.completed_at - opened,
-            # first chunk handed to UCX -> receiver's confirmation (no handshake)
-            "data_s": None if stream.completed_at is None or stream.started_at is None
-            else stream.completed_at - stream.started_at,
-        }
-
-    zeros: dict[tuple[int, int], Any] = {}  # seed < 0 buffers are reused: time the transfer
-
-    def data(seed: int, n: int) -> Any:
-        if seed >= 0:
-            return pattern(seed, n)
-        if (seed, n) not in zeros:
-            zeros[seed, n] = pattern(seed, n)
-        return zeros[seed, n]
-
-    def start(specs: list, metadata: bytes, hold: tuple[int, ...] = ()) -> Any:
-        buffers = [(name, data(seed, n), lane) for name, n, lane, seed in specs]
-        keep.append(buffers)
-        return conn.send_stream(buffers, metadata=metadata, hold=hold)
-
-    def finish(stream: Any, timeout: float) -> dict[str, Any]:
-        try:
-            stream.wait(timeout)
-        except TransportError:
-            pass
-        return timings(stream)
-
+    session = _SenderSession(conn)
     pipe.send(("ok", "connected"))
     try:
         while True:
             request = pipe.recv()
-            op = request[0]
-            if op == "exit":
+            if request[0] == "exit":
                 return
-            if op == "send":
-                _, specs, metadata, timeout = request
-                result: Any = finish(start(specs, metadata), timeout)
-                keep.clear()
-            elif op == "send_many":
-                _, many, timeout = request
-                streams = [start(specs, metadata) for specs, metadata in many]
-                deadline = time.monotonic() + timeout
-                result = [finish(s, max(0.0, deadline - time.monotonic())) for s in streams]
-                keep.clear()
-            elif op == "start":
-                stream = start(*request[1:])
-                started[stream.stream_id] = stream
-                result = stream.stream_id
-            elif op == "release":
-                _, stream_id, lane = request
-                started[stream_id].release_lane(lane)
-                result = None
-            elif op == "wait":
-                _, stream_id, timeout = request
-                result = finish(started.pop(stream_id), timeout)
-            elif op == "cancel":
-                _, stream_id, timeout = request
-                stream = started.pop(stream_id)
-                stream.cancel()
-                result = finish(stream, timeout)
-            elif op == "incremental":
-                _, specs, metadata, timeout = request
-                stream = conn.open_stream([(name, n, lane) for name, n, lane, _ in specs], metadata)
-                buffers = [(name, data(seed, n)) for name, n, _, seed in specs]
-                for name, buf in reversed(buffers):
-                    stream.supply(name, buf)
-                result = finish(stream, timeout)
-            elif op == "open":
-                _, specs, metadata = request
-                stream = conn.open_stream([(name, n, lane) for name, n, lane, _ in specs], metadata)
-                started[stream.stream_id] = stream
-                keep.append({name: (n, seed) for name, n, _, seed in specs})
-                opened_specs[stream.stream_id] = keep[-1]
-                result = stream.stream_id
-            elif op == "supply":
-                _, stream_id, name = request
-                n, seed = opened_specs[stream_id][name]
-                buf = data(seed, n)
-                keep.append(buf)
-                started[stream_id].supply(name, buf)
-                result = None
-            elif op == "close":
-                conn.close()
-                result = None
-            elif op == "link_rate":
-                conn.set_link_rate(_rate(request[1]))
-                result = None
-            elif op == "lane_rate":
-                conn.set_lane_rate(request[1], _rate(request[2]))
-                result = None
-            elif op == "rates":
-                result = {k: (None if v is None else (v.gbps, v.burst_bytes))
-                          for k, v in conn.rates().items()}
-            elif op == "stats":
-                result = conn.stats()
-            else:
-                raise ValueError(f"unknown request {op!r}")
-            pipe.send(("ok", result))
+            handler = _SENDER_OPS.get(request[0])
+            if handler is None:
+                raise ValueError(f"unknown request {request[0]!r}")
+            pipe.send(("ok", handler(session, *request[1:])))
     finally:
         conn.close()
+
+
+def _timings(stream: Any) -> dict[str, Any]:
+    """What :func:`sender_server` reports of a stream: its end and its lanes' times."""
+    opened = stream.opened_at
+    return {
+        "stream_id": stream.stream_id,
+        "state": stream.state.value,
+        "error": None if stream.exception() is None else
+        f"{type(stream.exception()).__name__}: {stream.exception()}",
+        "error_type": None if stream.exception() is None else type(stream.exception()).__name__,
+        "lane_s": {int(k): v - opened for k, v in stream.lane_completed_at.items()},
+        "lane_data_s": {} if stream.started_at is None else
+        {int(k): v - stream.started_at for k, v in stream.lane_completed_at.items()},
+        "total_s": None if stream.completed_at is None else stream.completed_at - opened,
+        # first chunk handed to UCX -> receiver's confirmation (no handshake)
+        "data_s": None if stream.completed_at is None or stream.started_at is None
+        else stream.completed_at - stream.started_at,
+    }
+
+
+class _SenderSession:
+    """:func:`sender_server`'s state: the connection, its streams, the buffers they send."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.keep: list[Any] = []  # buffers of streams in flight stay alive
+        self.started: dict[int, Any] = {}
+        self.opened_specs: dict[int, dict[str, tuple[int, int]]] = {}
+        self.zeros: dict[tuple[int, int], Any] = {}  # seed < 0 buffers are reused: time the transfer
+
+    def data(self, seed: int, n: int) -> Any:
+        if seed >= 0:
+            return pattern(seed, n)
+        if (seed, n) not in self.zeros:
+            self.zeros[seed, n] = pattern(seed, n)
+        return self.zeros[seed, n]
+
+    def start(self, specs: list, metadata: bytes, hold: tuple[int, ...] = ()) -> Any:
+        buffers = [(name, self.data(seed, n), lane) for name, n, lane, seed in specs]
+        self.keep.append(buffers)
+        return self.conn.send_stream(buffers, metadata=metadata, hold=hold)
+
+    def finish(self, stream: Any, timeout: float) -> dict[str, Any]:
+        from lynx_transport.errors import TransportError  # noqa: PLC0415
+
+        try:
+            stream.wait(timeout)
+        except TransportError:
+            pass
+        return _timings(stream)
+
+    def send(self, specs: list, metadata: bytes, timeout: float) -> Any:
+        result = self.finish(self.start(specs, metadata), timeout)
+        self.keep.clear()
+        return result
+
+    def send_many(self, many: list, timeout: float) -> Any:
+        streams = [self.start(specs, metadata) for specs, metadata in many]
+        deadline = time.monotonic() + timeout
+        result = [self.finish(s, max(0.0, deadline - time.monotonic())) for s in streams]
+        self.keep.clear()
+        return result
+
+    def start_op(self, *args: Any) -> int:
+        stream = self.start(*args)
+        self.started[stream.stream_id] = stream
+        return stream.stream_id
+
+    def release(self, stream_id: int, lane: int) -> None:
+        self.started[stream_id].release_lane(lane)
+
+    def wait(self, stream_id: int, timeout: float) -> Any:
+        return self.finish(self.started.pop(stream_id), timeout)
+
+    def cancel(self, stream_id: int, timeout: float) -> Any:
+        stream = self.started.pop(stream_id)
+        stream.cancel()
+        return self.finish(stream, timeout)
+
+    def incremental(self, specs: list, metadata: bytes, timeout: float) -> Any:
+        stream = self.conn.open_stream([(name, n, lane) for name, n, lane, _ in specs], metadata)
+        buffers = [(name, self.data(seed, n)) for name, n, _, seed in specs]
+        for name, buf in reversed(buffers):
+            stream.supply(name, buf)
+        return self.finish(stream, timeout)
+
+    def open(self, specs: list, metadata: bytes) -> int:
+        stream = self.conn.open_stream([(name, n, lane) for name, n, lane, _ in specs], metadata)
+        self.started[stream.stream_id] = stream
+        self.keep.append({name: (n, seed) for name, n, _, seed in specs})
+        self.opened_specs[stream.stream_id] = self.keep[-1]
+        return stream.stream_id
+
+    def supply(self, stream_id: int, name: str) -> None:
+        n, seed = self.opened_specs[stream_id][name]
+        buf = self.data(seed, n)
+        self.keep.append(buf)
+        self.started[stream_id].supply(name, buf)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def link_rate(self, spec: tuple[float, int] | None) -> None:
+        self.conn.set_link_rate(_rate(spec))
+
+    def lane_rate(self, lane: int, spec: tuple[float, int] | None) -> None:
+        self.conn.set_lane_rate(lane, _rate(spec))
+
+    def rates(self) -> Any:
+        return {k: (None if v is None else (v.gbps, v.burst_bytes))
+                for k, v in self.conn.rates().items()}
+
+    def stats(self) -> Any:
+        return self.conn.stats()
+
+
+#: :func:`sender_server`'s requests: ``(op, *args)`` -> ``handler(session, *args)``.
+_SENDER_OPS: dict[str, Callable[..., Any]] = {
+    "send": _SenderSession.send, "send_many": _SenderSession.send_many,
+    "start": _SenderSession.start_op, "release": _SenderSession.release,
+    "wait": _SenderSession.wait, "cancel": _SenderSession.cancel,
+    "incremental": _SenderSession.incremental, "open": _SenderSession.open,
+    "supply": _SenderSession.supply, "close": _SenderSession.close,
+    "link_rate": _SenderSession.link_rate, "lane_rate": _SenderSession.lane_rate,
+    "rates": _SenderSession.rates, "stats": _SenderSession.stats,
+}
 
 
 def receiver_server(pipe: multiprocessing.connection.Connection, pool_bytes: int,

@@ -57,7 +57,7 @@ from typing import Any, Literal
 
 from lynx_decode.codec.config import CodecConfig, Scheme, check_planes, parse_planes
 from lynx_decode.errors import CodecError
-from lynx_decode.kvstream import cache_bytes
+from lynx_decode.kvheader import cache_bytes
 from lynx_decode.model.geometry import LayerGeometry
 from lynx_decode.split_choice import choose_split_or_default
 from lynx_decode.timeouts import Timeouts

@@ -3,7 +3,7 @@
 :meth:`KVLoader.start` sends a pull request (a :class:`~lynx_decode.request.KVRequest`
 with the prompt's token ids, the scheme and this loader's receiver address) to
 the producer's prefill node; the cache comes back as a Lynx KV stream
-(:mod:`lynx_decode.kvstream`) into this loader's pre-registered receive pool,
+(:mod:`lynx_decode.kvheader`) into this loader's pre-registered receive pool,
 anchors first. :meth:`KVLoader.layer` waits for exactly one layer (every plane
 of it: the connector loads the exact cache) and decodes it. A synchronous load
 (``load: "sync"``) calls it from vLLM's ``wait_for_layer_load``, inside the
@@ -37,7 +37,8 @@ import numpy as np
 from lynx_decode.codec import decode_layer
 from lynx_decode.codec.config import Scheme
 from lynx_decode.errors import DecodeError
-from lynx_decode.kvstream import KVHeader, region_name, request_id_of, warm_up_codec
+from lynx_decode.kvheader import KVHeader, region_name, request_id_of
+from lynx_decode.kvsend import warm_up_codec
 from lynx_decode.model.protocol import ModelInfo
 from lynx_decode.request import KVRequest, parse_error_reply
 from lynx_transport import UCX, Lane, ReceivePool, ReceiveStream

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lynx_decode.decode_config import DEFAULT_MAX_DRAFT, CacheLevel, DecodeConfig, ready
 from lynx_decode.events import Done, Tentative
 from lynx_decode.model import CausalLM, KVBuffers, LMCache
-from lynx_decode.speculative import DEFAULT_MAX_DRAFT, CacheLevel, DecodeConfig, decode_events, ready
+from lynx_decode.speculative import decode_events
 
 from ..sweep.config import SweepScheme, is_lynx
 from .retrieval import RetrievalCase, retrieval_score

@@ -27,7 +27,7 @@ Every time counts from the moment a decode node sent its request
   possibly no split, then the LYNX phases run as INT8 (the table says
   ``lynx int8``); with ``--decode model`` each decode node chooses per request.
 
-Writes ``DIR/load.json`` (:mod:`lynx_bench.load.logic`), ``DIR/ttft_cdf.png``,
+Writes ``DIR/load.json`` (:mod:`lynx_bench.load.report`), ``DIR/ttft_cdf.png``,
 ``DIR/p99_vs_load.png`` and the nodes' logs in ``DIR/logs``; prints a summary
 table. Exit code 1 when a request did not complete (the results are still
 written), 2 on bad arguments or a node that failed.
@@ -38,41 +38,32 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
-import queue
 import shlex
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from lynx_bench.common.node_args import add_timeout_arguments, timeout_argv, timeouts
-from lynx_bench.common.processes import Child, ChildError
-from lynx_bench.common.progress import Progress, progress_bar
+from lynx_bench.common.node_args import add_timeout_arguments, timeouts
+from lynx_bench.common.progress import progress_bar
+from lynx_bench.load.launch import start_nodes
 from lynx_bench.load.logic import (
-    Arrival,
     DecodeMode,
     LoadConfig,
     ModelShape,
-    RequestRow,
-    Status,
     load_for_rate,
     lynx_split,
-    peak_egress_gbps,
     poisson_arrivals,
     rate_for_load,
-    ratio_table,
     request_bytes,
-    request_row,
     split_label,
-    summarize,
-    summary_table,
-    write_load_json,
 )
+from lynx_bench.load.phases import Planes, run_phase, warm_up
+from lynx_bench.load.report import ratio_table, summary_table, write_load_json
+from lynx_bench.load.results import RequestRow, summarize
 from lynx_bench.sweep.config import DEFAULT_PLANES, SCHEMES, LinkMode, parse_floats, parse_planes_flag
 from lynx_decode.split_choice import DEFAULT_STEP_S, NO_SPLIT_STEPS, THREE_BIT_STEPS
 from lynx_transport.config import TransportConfig
@@ -81,11 +72,6 @@ from lynx_transport.protocol.scheduler import LanePolicy
 
 __all__ = ["add_arguments", "config_from_args", "lynx_planes", "scheme_names", "run", "run_load"]
 
-STARTUP_TIMEOUT_S = 300.0
-#: A phase's schedule starts this long after it is handed out, so every decode node has it.
-START_LEAD_S = 0.3
-#: Beyond its last request's timeout, how long a phase may take before a node counts as hung.
-GRACE_S = 30.0
 #: Receive pool per decode node: this many of the largest streams; past it streams wait for space.
 POOL_STREAMS = 8
 MAX_POOL_BYTES = 4 << 30
@@ -100,8 +86,6 @@ PHASES_NOTE = ("separate phases, one per (load, scheme), in that order; the sche
                "(each bounded by the request timeout), then the next starts")
 #: The splits ``auto`` may choose (:func:`lynx_decode.split_choice.choose_split`); None: INT8.
 AUTO_SPLITS: tuple[tuple[int, ...] | None, ...] = (None, (4, 4), (3, 5))
-#: What the LYNX requests ask for: a split, None (INT8: auto chose none) or "auto" (the decode node chooses).
-Planes = tuple[int, ...] | Literal["auto"] | None
 
 CLOCK_NOTE = ("every time counts from the moment the decode node sent its request (queueing included), "
               "on the wall clock (time.time()) the nodes share")
@@ -198,70 +182,6 @@ def default_model_shape() -> ModelShape:
                       max_positions=int(gguf_value(path, f"{arch}.context_length")))
 
 
-#: Over ``--link netns`` the prefill node paces its payload at this fraction of the tc
-#: rate: tc's htb counts whole frames, and TCP payload got 0.953-0.957 of its rate
-#: (``lynx link measure``, 1 Gbit/s); paced any faster, the excess queues in the kernel.
-NETNS_PAYLOAD = 0.93
-
-
-# -- processes -----------------------------------------------------------------------------------
-
-class _Nodes:
-    """The running prefill node and decode nodes; RESULT lines of every decode node
-    arrive on one queue (a collector thread per decode node)."""
-
-    def __init__(self, serve: Child, decoders: list[Child]) -> None:
-        self.serve = serve
-        self.decoders = decoders
-        self.results: queue.Queue[tuple[int, dict[str, Any] | BaseException]] = queue.Queue()
-        self._threads = [threading.Thread(target=self._collect, args=(i, c), daemon=True,
-                                          name=f"load-collect-{i}") for i, c in enumerate(decoders)]
-        for t in self._threads:
-            t.start()
-
-    def _collect(self, index: int, child: Child) -> None:
-        while True:
-            try:
-                line = child.expect("RESULT", 1e6)
-                self.results.put((index, json.loads(line)))
-            except (ChildError, ValueError) as exc:
-                self.results.put((index, exc))
-                return
-
-    def send(self, node: int, jobs: list[dict[str, Any]]) -> None:
-        self.decoders[node].send(json.dumps({"jobs": jobs}))
-
-    def gather(self, want: set[str], deadline: float, what: str, bar: Progress | None = None, *,
-               timed: bool = True) -> dict[str, dict[str, Any]]:
-        """The results of the requests ``want``, waiting until ``deadline`` (monotonic); each
-        one an item of ``bar`` (``timed``: its time counts towards the bar's estimate)."""
-        got: dict[str, dict[str, Any]] = {}
-        while len(got) < len(want):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ChildError(f"{what}: {len(want) - len(got)} of {len(want)} requests unanswered "
-                                 f"past the phase's deadline; see the logs in {self.serve.log_path.parent}")
-            try:
-                node, item = self.results.get(timeout=left)
-            except queue.Empty:
-                continue
-            if isinstance(item, BaseException):
-                raise ChildError(f"decode node {node}: {item}") from item
-            rid = str(item["request_id"])
-            if rid in want and rid not in got:
-                got[rid] = item
-                if bar is not None:
-                    bar.update(timed=timed)
-        if self.serve.proc.poll() is not None:
-            raise ChildError(f"the prefill node exited with code {self.serve.proc.returncode}; "
-                             f"see {self.serve.log_path}")
-        return got
-
-
-def _python() -> list[str]:
-    return [sys.executable]
-
-
 def _sizes(shape: ModelShape, context: int, planes: tuple[int, ...] | None) -> dict[str, tuple[int, int]]:
     """Every scheme's ``(anchor, residual)`` bytes per request, LYNX's with the split
     ``planes`` (None: LYNX runs as INT8)."""
@@ -274,173 +194,6 @@ def _pool_bytes(config: LoadConfig, shape: ModelShape, planes: Planes) -> int:
     largest = max(sum(_sizes(shape, config.context, p)[s]) for s in config.schemes
                   for p in splits) + (1 << 20)  # + alignment slack
     return max(2 * largest, min(POOL_STREAMS * largest, MAX_POOL_BYTES))
-
-
-@contextlib.contextmanager
-def _start(config: LoadConfig, shape: ModelShape, logs: Path, pool_bytes: int) -> Iterator[_Nodes]:
-    """Start the prefill node and the decode nodes (each in its namespace with ``--link
-    netns``); stop every one of them, and take the link down, on exit."""
-    link = None
-    serve: Child | None = None
-    decoders: list[Child] = []
-    try:
-        serve_env: dict[str, str] = {}
-        listen = "127.0.0.1:0"
-        if config.link is LinkMode.NETNS:
-            from lynx_bench.netem.config import LinkConfig  # noqa: PLC0415
-            from lynx_bench.netem.link import Link  # noqa: PLC0415 - needs root and the bench extra
-
-            # a prefix of our own, so a link someone left up by hand does not collide
-            link = Link(LinkConfig(rate_gbps=config.bandwidth_gbps, hosts=config.decode_nodes,
-                                   prefix=f"lxl{os.getpid() % 100000}")).up()
-            serve_env, listen = link.ucx_env("tx"), f"{link.address('tx')}:0"
-        argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen,
-                *timeout_argv(config.timeouts)]
-        # the prefill node's egress, all decode nodes together; over an emulated link too,
-        # where tc is the link: paced at its rate, the queue stays in Lynx's scheduler (by
-        # priority) instead of in the kernel's socket and qdisc (first come, first served)
-        # (tc counts frames: TCP/IP headers leave ~95 % of its rate to payload, measured)
-        argv += ["--rate", repr(config.bandwidth_gbps * (1.0 if link is None else NETNS_PAYLOAD))]
-        if link is not None:  # the data must cross the veth: tcp on it (cma would bypass tc)
-            argv += ["--ucx-tls", "tcp", "--ucx-net-devices", link.device("tx")]
-        if config.lane_policy is not None:
-            argv += ["--lane-policy", config.lane_policy]
-        if config.max_pending is not None:
-            argv += ["--max-pending", str(config.max_pending)]
-        serve = Child("prefill node", argv if link is None else link.exec_argv("tx", argv),
-                      logs / "serve.log", env=serve_env)
-        address = serve.expect("listening on", STARTUP_TIMEOUT_S)
-        for i in range(config.decode_nodes):
-            argv = _decoder_argv(config, shape, address, "127.0.0.1", pool_bytes)
-            if link is not None:  # the data must cross the veth: tcp on it (cma would bypass tc)
-                h = link.decode_hosts[i]
-                argv = [*_decoder_argv(config, shape, address, link.address(h), pool_bytes),
-                        "--ucx-tls", "tcp", "--ucx-net-devices", link.device(h)]
-            decoders.append(Child(f"decode node {i}",
-                                  argv if link is None else link.exec_argv(link.decode_hosts[i], argv),
-                                  logs / f"decode{i}.log",
-                                  env=None if link is None else link.ucx_env(link.decode_hosts[i])))
-        for child in decoders:
-            child.expect("READY", STARTUP_TIMEOUT_S)
-        yield _Nodes(serve, decoders)
-    finally:
-        for child in [*decoders, *([serve] if serve is not None else [])]:
-            child.stop()
-        if link is not None:
-            link.down()
-
-
-def _decoder_argv(config: LoadConfig, shape: ModelShape, address: str, listen_host: str,
-                  pool_bytes: int) -> list[str]:
-    common = ["--connect", address, "--listen-host", listen_host, "--context", str(config.context),
-              "--prompts", str(config.prompts), "--seed", str(config.seed), "--vocab", str(shape.vocab),
-              "--pool-bytes", str(pool_bytes), "--pool-wait", repr(config.request_timeout_s)]
-    if config.decode is DecodeMode.SINK:
-        return [*_python(), "-m", "lynx_bench.load.sink", *common, *timeout_argv(config.timeouts)]
-    return [*_python(), "-m", "lynx_bench.load.decode", *common, "--new-tokens", str(config.new_tokens),
-            *timeout_argv(config.timeouts, residual=True)]
-
-
-# -- phases --------------------------------------------------------------------------------------
-
-def _job(rid: str, scheme: str, prompt: int, send_unix: float, config: LoadConfig,
-         bandwidth: float | None, planes: Planes) -> dict[str, Any]:
-    """One request for a decode node (:func:`lynx_bench.load.logic.job_split` reads its split)."""
-    return {"request_id": rid, "scheme": scheme, "prompt_id": prompt, "send_unix": send_unix,
-            "timeout_s": config.request_timeout_s,
-            "planes": planes if planes is None or planes == "auto" else list(planes),
-            "bandwidth_gbps": bandwidth, "new_tokens": config.new_tokens,
-            "hold_residual": config.hold_residual}
-
-
-def _one(nodes: _Nodes, config: LoadConfig, rid: str, node: int, scheme: str, prompt: int,
-         bandwidth: float | None, planes: Planes, bar: Progress | None = None) -> dict[str, Any]:
-    """One request, alone (a warm-up: its time is not counted towards the bar's estimate)."""
-    nodes.send(node, [_job(rid, scheme, prompt, time.time(), config, bandwidth, planes)])
-    return nodes.gather({rid}, time.monotonic() + config.request_timeout_s + GRACE_S, rid, bar,
-                        timed=False)[rid]
-
-
-def _ran(result: dict[str, Any], scheme: str) -> tuple[str, tuple[int, ...] | None]:
-    """The scheme and the LYNX split (None: not LYNX) a decode node reports it ran."""
-    ran = str(result.get("scheme") or scheme)
-    planes = result.get("planes")
-    return ran, (tuple(planes) if ran == "lynx" and planes else None)
-
-
-def _warm_up(nodes: _Nodes, config: LoadConfig, shape: ModelShape, bandwidth: float | None, planes: Planes,
-             bar: Progress) -> list[dict[str, Any]]:
-    """Every prompt once as INT8 (its prefill is then cached), every decode node and
-    every scheme at least once (connections made, code paths warm). Each INT8 and
-    LYNX stream must carry the bytes the model's shape gives for what it ran."""
-    plan = [(p % config.decode_nodes, "int8", p) for p in range(config.prompts)]
-    plan += [(n, "int8", 0) for n in range(config.prompts, config.decode_nodes)]
-    plan += [(i % config.decode_nodes, s, 0) for i, s in enumerate(config.schemes)]
-    done = []
-    for i, (node, scheme, prompt) in enumerate(plan):
-        out = _one(nodes, config, f"warmup-{i}", node, scheme, prompt, bandwidth, planes, bar)
-        if out["status"] != Status.COMPLETED.value:
-            raise ChildError(f"warm-up request {i} ({scheme}, prompt {prompt}, decode node {node}) "
-                             f"ended {out['status']}: {out.get('error')}")
-        got = (out.get("bytes_anchor") or 0) + (out.get("bytes_residual") or 0)
-        ran, split = _ran(out, scheme)
-        if ran in ("int8", "lynx"):
-            want = sum(request_bytes(shape, ran, config.context, split or DEFAULT_PLANES))
-            if got != want:
-                what = "INT8" if split is None else f"LYNX {split_label(split)}"
-                raise ChildError(f"warm-up request {i}: its {what} stream carried {got} bytes; the model's "
-                                 f"shape says {want}: the offered load and the byte counts would be wrong")
-        done.append({"node": node, "scheme": scheme, "prompt_id": prompt, "status": out["status"],
-                     "planes": split_label(split) if scheme == "lynx" else None})
-    return done
-
-
-def _planes_ran(results: dict[str, dict[str, Any]], scheme: str) -> dict[str, int] | None:
-    """How many of a LYNX phase's completed requests ran each split (``"int8"``: no
-    split); None for the other schemes."""
-    if scheme != "lynx":
-        return None
-    counts: dict[str, int] = {}
-    for r in results.values():
-        if r["status"] == Status.COMPLETED.value:
-            name = split_label(_ran(r, scheme)[1])
-            counts[name] = counts.get(name, 0) + 1
-    return dict(sorted(counts.items()))
-
-
-def _phase(nodes: _Nodes, config: LoadConfig, number: int, scheme: str, load: float, rate: float,
-           arrivals: tuple[Arrival, ...], bandwidth: float | None, planes: Planes,
-           bar: Progress) -> tuple[list[RequestRow], dict[str, Any]]:
-    t_zero = time.time() + START_LEAD_S
-    per_node: dict[int, list[dict[str, Any]]] = {}
-    node_of: dict[str, int] = {}
-    for a in arrivals:
-        rid = f"p{number}-{scheme}-{a.index}"
-        node_of[rid] = a.decode_node
-        per_node.setdefault(a.decode_node, []).append(
-            _job(rid, scheme, a.prompt_id, t_zero + a.arrival_s, config, bandwidth, planes))
-    for node, jobs in per_node.items():
-        nodes.send(node, jobs)
-    deadline = time.monotonic() + START_LEAD_S + arrivals[-1].arrival_s + config.request_timeout_s + GRACE_S
-    results = nodes.gather(set(node_of), deadline, f"phase {scheme} at load {load:g}", bar)
-    rows = [request_row(scheme, load, node_of[rid], t_zero, results[rid]) for rid in node_of]
-    lags = [r["sent_unix"] - r["scheduled_unix"] for r in results.values()
-            if r.get("sent_unix") is not None and r.get("scheduled_unix") is not None]
-    ends = [r[k] for r in results.values() for k in ("full_unix", "anchor_unix", "sent_unix")
-            if r.get(k) is not None]
-    info = {"phase": number, "scheme": scheme, "load": load, "rate_rps": rate, "start_unix": t_zero,
-            "requests": len(rows), "duration_s": (max(ends) - t_zero) if ends else None,
-            "max_send_lag_s": max(lags) if lags else None,
-            "mean_send_lag_s": sum(lags) / len(lags) if lags else None,
-            "peak_egress_gbps": peak_egress_gbps(rows), "planes": _planes_ran(results, scheme),
-            "drained": False}
-    if any(r.status != Status.COMPLETED.value for r in rows):
-        # requests the prefill node may still be working on must not spill into the next
-        # phase: one more request, answered after what it queued before (best effort)
-        _one(nodes, config, f"drain-{number}", 0, "int8", 0, bandwidth, planes)
-        info["drained"] = True
-    return rows, info
-
 
 
 def _plan(config: LoadConfig, int8_bytes: int) -> list[tuple[float, float]]:
@@ -521,9 +274,9 @@ def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, co
     phases: list[dict[str, Any]] = []
     try:
         bar.phase(f"starting the prefill node and {config.decode_nodes} decode nodes")
-        with _start(config, shape, logs, pool_bytes) as nodes:
+        with start_nodes(config, shape, logs, pool_bytes) as nodes:
             bar.phase(f"warm-up: {config.prompts} prefills of {config.context} tokens, every node and scheme")
-            recorded["warm_up"] = _warm_up(nodes, config, shape, None, planes, bar)
+            recorded["warm_up"] = warm_up(nodes, config, shape, None, planes, bar)
             number = 0
             for load, rate in plan:
                 arrivals = poisson_arrivals(rate, config.requests, config.seed,
@@ -531,7 +284,7 @@ def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, co
                 for scheme in config.schemes:
                     name = scheme_names([], planes).get(scheme, scheme)
                     bar.phase(f"{name} load {load:.2f} ({rate:.2f} req/s)")
-                    got, info = _phase(nodes, config, number, scheme, load, rate, arrivals, per_request,
+                    got, info = run_phase(nodes, config, number, scheme, load, rate, arrivals, per_request,
                                        planes, bar)
                     rows += got
                     phases.append(info)

@@ -38,7 +38,8 @@ from lynx_bench.common.node_args import (
     load_model,
     timeouts,
 )
-from lynx_bench.load.logic import Status, job_split, prompt_set
+from lynx_bench.load.logic import job_split, prompt_set
+from lynx_bench.load.results import Status
 from lynx_bench.load.sink import Emitter, transport_config
 from lynx_transport.errors import LynxError
 

@@ -1,10 +1,11 @@
-"""``lynx load``'s pure logic: the configuration, seeded open-loop Poisson
-arrivals, the request rate an offered load means, one row per request,
-percentiles and the per-(scheme, load) summary, and ``load.json``.
+"""``lynx load``'s pure logic: the configuration, the bytes of a request, the
+request rate an offered load means, LYNX's split, and the seeded open-loop
+Poisson arrivals and prompts. What the runs measured (rows, summaries) is
+:mod:`lynx_bench.load.results`; ``load.json`` and the tables are
+:mod:`lynx_bench.load.report`.
 
-No sockets, no processes, no clock: :mod:`lynx_bench.load.cli` runs the nodes
-and hands this module what they measured, so everything here is unit-tested
-(``tests/unit/test_load.py``).
+No sockets, no processes, no clock: :mod:`lynx_bench.load.cli` runs the nodes,
+so everything here is unit-tested (``tests/unit/test_load.py``).
 
 Offered load is a fraction of the link: ``load = rate * bytes_int8 * 8 /
 bandwidth``, with ``bytes_int8`` the bytes of one request's INT8 KV stream
@@ -28,9 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,11 +44,8 @@ from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import ConfigError
 
 __all__ = [
-    "DecodeMode", "Status", "LoadConfig", "ModelShape", "lynx_split", "split_label", "job_split",
-    "request_bytes", "rate_for_load",
-    "load_for_rate", "Arrival", "poisson_arrivals", "prompt_set", "percentile", "RequestRow",
-    "REQUEST_FIELDS", "request_row", "SummaryRow", "SUMMARY_FIELDS", "summarize", "peak_egress_gbps",
-    "write_load_json", "read_load_json", "summary_table", "ratio_table",
+    "DecodeMode", "LoadConfig", "ModelShape", "lynx_split", "split_label", "job_split",
+    "request_bytes", "rate_for_load", "load_for_rate", "Arrival", "poisson_arrivals", "prompt_set",
 ]
 
 
@@ -58,15 +55,6 @@ class DecodeMode(enum.Enum):
     SINK = "sink"    #: receive into the pool, record when the anchors and the whole cache landed
     MODEL = "model"  #: decode it with the real model (DecodeNode.run)
 
-
-class Status(enum.Enum):
-    """How a request ended."""
-
-    COMPLETED = "completed"  #: its whole cache landed (sink) / its tokens were decoded (model)
-    BUSY = "busy"            #: the prefill node refused it: its queue was full ("busy" error reply)
-    REFUSED = "refused"      #: another error reply from the prefill node
-    FAILED = "failed"        #: the request or its stream failed (transport or decode error)
-    TIMEOUT = "timeout"      #: not finished within the request timeout after it was sent
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -193,7 +181,7 @@ def request_bytes(shape: ModelShape, scheme: str, prompt_tokens: int,
     """``(anchor_lane_bytes, residual_lane_bytes)`` of the KV stream the prefill node
     sends for a prompt of ``prompt_tokens`` tokens (it caches ``prompt_tokens - 1``
     positions and sends all the ids as int32 on the anchor lane; see
-    :mod:`lynx_decode.kvstream`), encoded as the prefill node encodes ``scheme``
+    :mod:`lynx_decode.kvheader`), encoded as the prefill node encodes ``scheme``
     (LYNX with the split ``planes``; the residual: every lane after the anchor's)."""
     s = Scheme(scheme)
     codec = CodecConfig(scheme=s, planes=tuple(planes)) if s is Scheme.LYNX else CodecConfig(scheme=s)
@@ -282,233 +270,3 @@ def prompt_set(seed: int, prompts: int, context: int, vocab: int) -> list[list[i
     the fixed prompt set every request picks from (its prefills are cached)."""
     rng = np.random.default_rng([seed, 0x1D5])
     return [[int(t) for t in rng.integers(0, vocab, size=context)] for _ in range(prompts)]
-
-
-# -- requests -----------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class RequestRow:
-    """One request (``load.json``'s ``requests``); every time counts from the moment
-    its decode node sent the request, on the shared wall clock. ``arrival_s``: when
-    it was sent, from its phase's start. ``ttft_s``: until the decode node held
-    everything its first token needs (sink: LYNX's anchor lane, other schemes the
-    whole cache, and so is a LYNX request run as INT8; model: the first token);
-    ``ttfct_s``: its first committed token
-    (sink: the whole cache). ``time_to_anchor_s`` / ``time_to_full_s``: the anchor
-    lane / every byte landed. ``e2e_s``: all tokens (model; ``None`` for sink)."""
-
-    scheme: str
-    load: float
-    request_id: str
-    decode_node: int
-    arrival_s: float | None
-    ttft_s: float | None
-    ttfct_s: float | None
-    time_to_anchor_s: float | None
-    time_to_full_s: float | None
-    e2e_s: float | None
-    bytes_anchor: int | None
-    bytes_residual: int | None
-    status: str
-
-
-REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RequestRow))
-
-
-def _since(t: Any, start: float) -> float | None:
-    return None if t is None else float(t) - start
-
-
-def request_row(scheme: str, load: float, decode_node: int, phase_start_unix: float,
-                result: dict[str, Any]) -> RequestRow:
-    """The row of one request from its decode node's report (``RESULT`` line):
-    ``request_id``, ``status``, ``sent_unix`` and, as far as they happened,
-    ``anchor_unix`` / ``full_unix`` (wall-clock times the anchor lane and the whole
-    stream landed), ``bytes_anchor`` / ``bytes_residual``, ``scheme`` (the scheme it
-    asked for, ``int8`` for a LYNX job with no split; default ``scheme``); for ``--decode model``
-    instead ``ttft_s``, ``ttfct_s``, ``e2e_s``, ``time_to_anchor_s`` and
-    ``time_to_full_s``, already counted from the request."""
-    status = Status(result["status"])
-    sent = result.get("sent_unix")
-    if sent is None:  # never sent (the decode node was stopped first)
-        return RequestRow(scheme, load, str(result["request_id"]), decode_node, None, None, None,
-                          None, None, None, None, None, status.value)
-    if "ttft_s" in result:  # the model decoded it: token and lane times, from the request
-        ttft, ttfct, e2e = result.get("ttft_s"), result.get("ttfct_s"), result.get("e2e_s")
-        anchor, full = result.get("time_to_anchor_s"), result.get("time_to_full_s")
-    else:  # sink: what the first (committed) token would need
-        anchor = _since(result.get("anchor_unix"), sent)
-        full = _since(result.get("full_unix"), sent)
-        ttft = anchor if result.get("scheme", scheme) == Scheme.LYNX.value else full
-        ttfct, e2e = full, None
-    return RequestRow(scheme, load, str(result["request_id"]), decode_node, float(sent) - phase_start_unix,
-                      ttft, ttfct, anchor, full, e2e, result.get("bytes_anchor"),
-                      result.get("bytes_residual"), status.value)
-
-
-# -- summary ------------------------------------------------------------------------------------
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) with linear interpolation between the closest
-    ranks (NumPy's default method); ``None`` for no values."""
-    xs = sorted(float(v) for v in values)
-    if not xs:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-@dataclasses.dataclass(frozen=True)
-class SummaryRow:
-    """One (scheme, load) phase (``load.json``'s ``summary``). Percentiles are over
-    the completed requests only (a failed request has no full time, and often no
-    first token); ``failed`` counts every request that did not complete.
-    ``link_utilization``: bytes of the completed requests' streams, over what the
-    link could carry from the phase's first request to its last completion."""
-
-    scheme: str
-    load: float
-    requests: int
-    completed: int
-    failed: int
-    p50_ttft_s: float | None
-    p90_ttft_s: float | None
-    p99_ttft_s: float | None
-    p50_ttfct_s: float | None
-    p99_ttfct_s: float | None
-    p99_full_s: float | None
-    link_utilization: float | None
-
-
-SUMMARY_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SummaryRow))
-
-
-def _utilization(rows: Sequence[RequestRow], bandwidth_gbps: float) -> float | None:
-    done = [r for r in rows if r.status == Status.COMPLETED.value and r.arrival_s is not None
-            and r.time_to_full_s is not None]
-    starts = [r.arrival_s for r in rows if r.arrival_s is not None]
-    if not done or not starts:
-        return None
-    span = max(r.arrival_s + r.time_to_full_s for r in done) - min(starts)  # type: ignore[operator]
-    nbytes = sum((r.bytes_anchor or 0) + (r.bytes_residual or 0) for r in done)
-    return nbytes * 8.0 / (bandwidth_gbps * 1e9 * span) if span > 0 else None
-
-
-def peak_egress_gbps(rows: Sequence[RequestRow], min_bytes: int = 8 << 20) -> float | None:
-    """A lower bound on the link's busiest average rate in a phase: over every window
-    from one request's send to another's completion, the bytes of the completed
-    requests sent and completed inside it, over its length (their bytes can only
-    have moved in there); windows carrying less than ``min_bytes`` are skipped (a
-    shaper's burst would dominate them). Above the link's rate means the link was
-    not held to it, e.g. each peer shaped separately. ``None`` without such a window."""
-    done = sorted((r.arrival_s, r.arrival_s + r.time_to_full_s, (r.bytes_anchor or 0) + (r.bytes_residual or 0))
-                  for r in rows if r.status == Status.COMPLETED.value and r.arrival_s is not None
-                  and r.time_to_full_s is not None and r.time_to_full_s > 0)
-    best: float | None = None
-    for i, (start, _, _) in enumerate(done):
-        later = sorted((end, nbytes) for _, end, nbytes in done[i:])  # sent at or after `start`
-        total = 0
-        for end, nbytes in later:
-            total += nbytes
-            if end > start and total >= min_bytes:
-                rate = total * 8.0 / ((end - start) * 1e9)
-                best = rate if best is None else max(best, rate)
-    return best
-
-
-def summarize(rows: Sequence[RequestRow], bandwidth_gbps: float) -> list[SummaryRow]:
-    """One :class:`SummaryRow` per (scheme, load), in the order the phases first appear."""
-    groups: dict[tuple[str, float], list[RequestRow]] = {}
-    for row in rows:
-        groups.setdefault((row.scheme, row.load), []).append(row)
-    out = []
-    for (scheme, load), group in groups.items():
-        done = [r for r in group if r.status == Status.COMPLETED.value]
-
-        def pct(field: str, q: float, done: list[RequestRow] = done) -> float | None:
-            return percentile((getattr(r, field) for r in done if getattr(r, field) is not None), q)
-
-        out.append(SummaryRow(
-            scheme=scheme, load=load, requests=len(group), completed=len(done),
-            failed=len(group) - len(done),
-            p50_ttft_s=pct("ttft_s", 50), p90_ttft_s=pct("ttft_s", 90), p99_ttft_s=pct("ttft_s", 99),
-            p50_ttfct_s=pct("ttfct_s", 50), p99_ttfct_s=pct("ttfct_s", 99),
-            p99_full_s=pct("time_to_full_s", 99),
-            link_utilization=_utilization(group, bandwidth_gbps)))
-    return out
-
-
-# -- load.json ----------------------------------------------------------------------------------
-
-def write_load_json(path: Path, config: dict[str, Any], rows: Sequence[RequestRow],
-                    summary: Sequence[SummaryRow], phases: Sequence[dict[str, Any]] = ()) -> Path:
-    """Write ``{"config", "requests", "summary", "phases"}`` to ``path`` (atomically)."""
-    payload = {"config": config, "requests": [dataclasses.asdict(r) for r in rows],
-               "summary": [dataclasses.asdict(s) for s in summary], "phases": list(phases)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def read_load_json(path: Path) -> tuple[dict[str, Any], list[RequestRow], list[SummaryRow]]:
-    """Read ``load.json`` back; ``ValueError`` when a row lacks the fixed fields."""
-    payload = json.loads(Path(path).read_text())
-    rows, summary = [], []
-    for raw in payload["requests"]:
-        if tuple(raw) != REQUEST_FIELDS:
-            raise ValueError(f"{path}: request fields {tuple(raw)} != {REQUEST_FIELDS}")
-        rows.append(RequestRow(**raw))
-    for raw in payload["summary"]:
-        if tuple(raw) != SUMMARY_FIELDS:
-            raise ValueError(f"{path}: summary fields {tuple(raw)} != {SUMMARY_FIELDS}")
-        summary.append(SummaryRow(**raw))
-    return payload["config"], rows, summary
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def summary_table(summary: Sequence[SummaryRow], names: Mapping[str, str] | None = None) -> str:
-    """The summary as a fixed-width table, by load then scheme (in the given order);
-    ``names``: what a scheme is called in it (e.g. ``{"lynx": "lynx int8"}``)."""
-    names = names or {}
-    shown = {s.scheme: names.get(s.scheme, s.scheme) for s in summary}
-    width = max([6, *map(len, shown.values())])
-    header = (f"{'load':>5} {'scheme':<{width}} {'done':>9} {'p50_ttft':>9} {'p90_ttft':>9} {'p99_ttft':>9} "
-              f"{'p50_ttfct':>9} {'p99_ttfct':>9} {'p99_full':>9} {'link':>5}")
-    lines = [header, "-" * len(header)]
-    loads = sorted({s.load for s in summary})
-    for load in loads:
-        for s in (s for s in summary if s.load == load):
-            lines.append(
-                f"{s.load:>5.2f} {shown[s.scheme]:<{width}} {f'{s.completed}/{s.requests}':>9} "
-                f"{_fmt(s.p50_ttft_s, '9.3f')} {_fmt(s.p90_ttft_s, '9.3f')} {_fmt(s.p99_ttft_s, '9.3f')} "
-                f"{_fmt(s.p50_ttfct_s, '9.3f')} {_fmt(s.p99_ttfct_s, '9.3f')} {_fmt(s.p99_full_s, '9.3f')} "
-                f"{_fmt(s.link_utilization, '5.2f')}")
-    return "\n".join(lines)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def ratio_table(summary: Sequence[SummaryRow]) -> str:
-    """Per load: LYNX's p99 first-token and full-cache times against INT8's and INT4's."""
-    by = {(s.scheme, s.load): s for s in summary}
-    lines = [f"{'load':>5} {'p99_ttft lynx/int8':>18} {'p99_ttft lynx/int4':>18} {'p99_full lynx/int8':>18}"]
-    for load in sorted({s.load for s in summary}):
-        lynx, int8, int4 = (by.get((name, load)) for name in ("lynx", "int8", "int4"))
-        if lynx is None:
-            continue
-        lines.append(f"{load:>5.2f} "
-                     f"{_fmt(_ratio(lynx.p99_ttft_s, int8.p99_ttft_s if int8 else None), '18.2f')} "
-                     f"{_fmt(_ratio(lynx.p99_ttft_s, int4.p99_ttft_s if int4 else None), '18.2f')} "
-                     f"{_fmt(_ratio(lynx.p99_full_s, int8.p99_full_s if int8 else None), '18.2f')}")
-    return "\n".join(lines)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from lynx_bench.load.logic import RequestRow, Status, SummaryRow
+from lynx_bench.load.results import RequestRow, Status, SummaryRow
 from lynx_bench.sweep.plots import SCHEME_ORDER
 
 __all__ = ["plot_ttft_cdf", "plot_p99_vs_load"]

@@ -15,8 +15,8 @@ the host), so arrivals are open-loop: a request is sent at its time whatever
 happened to the earlier ones. ``planes``: the LYNX split, or None: a LYNX job then
 asks for INT8 (``--planes auto`` chose no split; :func:`lynx_bench.load.logic.job_split`),
 never ``auto`` (the sink runs no model; ``lynx load`` chose). It answers one
-``RESULT {json}`` line per job (:func:`lynx_bench.load.logic.request_row` reads it):
-``request_id``, ``status`` (:class:`~lynx_bench.load.logic.Status`), ``scheme`` and
+``RESULT {json}`` line per job (:func:`lynx_bench.load.results.request_row` reads it):
+``request_id``, ``status`` (:class:`~lynx_bench.load.results.Status`), ``scheme`` and
 ``planes`` (what it asked for; ``planes`` None unless LYNX), ``sent_unix``,
 ``scheduled_unix``, ``anchor_unix``, ``full_unix``, ``bytes_anchor``,
 ``bytes_residual``, ``error``.
@@ -46,9 +46,10 @@ from typing import Any
 import numpy as np
 
 from lynx_bench.common.node_args import add_timeout_arguments, add_ucx_arguments, host_port, timeouts, ucx_settings
-from lynx_bench.load.logic import Status, job_split, prompt_set
+from lynx_bench.load.logic import job_split, prompt_set
+from lynx_bench.load.results import Status
 from lynx_decode.codec.config import Scheme
-from lynx_decode.kvstream import KVHeader
+from lynx_decode.kvheader import KVHeader
 from lynx_decode.request import KVRequest, parse_error_reply
 from lynx_decode.timeouts import Timeouts
 from lynx_transport import UCX, Lane, ReceivePool, ReceiveStream, SendStream, TransportConfig

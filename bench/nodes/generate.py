@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         raise _too_short(count)  # ... and a prompt too short, where its tokenizer tells without the model
     model = load_model(args)
     from lynx_decode.codec.config import Scheme  # noqa: PLC0415
-    from lynx_decode.speculative import DEFAULT_MAX_DRAFT, MissingFull  # noqa: PLC0415
+    from lynx_decode.decode_config import DEFAULT_MAX_DRAFT, MissingFull  # noqa: PLC0415
 
     ids = model.chat_prompt(text) if args.chat else model.tokenize(text)
     if len(ids) < 2:

@@ -26,7 +26,8 @@ import time
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-__all__ = ["raw_ucxx_receiver", "raw_ucxx_send", "tcp_receiver", "tcp_send", "ucx_perftest_gbps"]
+__all__ = ["RawUcxxSender", "TcpSender", "raw_ucxx_receiver", "raw_ucxx_send", "tcp_receiver", "tcp_send",
+           "ucx_perftest_gbps"]
 
 
 # -- raw ucxx ------------------------------------------------------------------------------

@@ -62,12 +62,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lynx_bench.transport_bench.peers.engines import WARM_UP_S, Engine, timed
+from lynx_bench.transport_bench.peers.engines import Engine
+from lynx_bench.transport_bench.targets import TARGETS
+
+if TYPE_CHECKING:
+    from lynx_transport import TransportConfig
 
 __all__ = ["add_arguments", "run", "measure", "TARGETS", "engines"]
 
@@ -105,38 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exit with status 1 when a target is missed (see TARGETS)")
 
 
-#: The targets: lynx >= 0.9x ucx_perftest and >= 1.0x asyncio TCP for 64 MiB
-#: messages, anchor_under_load_ratio <= 1.1, shaping_error <= 0.05 on both
-#: transports; against the peer engines (issue 18) >= 1.0x NIXL (its faster
-#: configuration) on both paths and Mooncake TE over TCP, and a 64 KiB P99 no
-#: worse than the best peer's on the same path. A target whose peer was skipped
-#: is null in ``targets_met``, never counted as met.
-TARGETS = {
-    "lynx_vs_ucx_perftest": (">=", 0.9),
-    "lynx_vs_asyncio_tcp": (">=", 1.0),
-    "anchor_under_load_ratio": ("<=", 1.1),
-    "shaping_error": ("<=", 0.05),
-    "shaping_error_tcp": ("<=", 0.05),
-    "lynx_vs_nixl": (">=", 1.0),
-    "lynx_tcp_vs_nixl_tcp": (">=", 1.0),
-    "lynx_tcp_vs_mooncake_tcp": (">=", 1.0),
-    "lynx_p99_64k_vs_best_peer": ("<=", 1.0),
-    "lynx_tcp_p99_64k_vs_best_peer": ("<=", 1.0),
-}
-
-#: Message sizes of the latency run: an anchor region's order of size, and a chunk's.
-LATENCY_SIZES = (64 * 1024, 1024 * 1024)
-
-
-def _timed(send: Any, messages: int) -> list[Any]:
-    """``send()`` for WARM_UP_S (at least once), then the results of ``messages`` more."""
-    return timed(send, messages, WARM_UP_S)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else round(a / b, 3)
-
-
 def engines(spec: str) -> list[Engine]:
     """``--peers``: ``nixl,mooncake``, one of them, or ``none``."""
     names = [] if spec.strip() == "none" else [x.strip() for x in spec.split(",") if x.strip()]
@@ -148,259 +118,61 @@ def engines(spec: str) -> list[Engine]:
     return [known[n] for n in names]
 
 
-def _median_gbps(nbytes: int, seconds: list[float]) -> float:
-    return nbytes * 8 / statistics.median(seconds) / 1e9 if seconds else float("nan")
+def _config(args: argparse.Namespace) -> TransportConfig:
+    """Lynx's TransportConfig for ``args``; fills the Lynx flags left unset (``--tls``,
+    ``--chunk-kib``, ``--inflight-mib``, ``--rails``) with TransportConfig's defaults."""
+    from lynx_transport import TransportConfig  # noqa: PLC0415 - with the rest of the run's imports
 
-
-def _lanes(stats: Any) -> list[dict[str, Any]]:
-    return [{"lane": s.lane, "bytes": s.bytes, "chunks": s.chunks,
-             "achieved_gbps": round(s.achieved_gbps, 3), "queued_bytes": s.queued_bytes,
-             "inflight_bytes": s.inflight_bytes} for s in stats.lanes]
-
-
-def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
-    """Run every backend; returns the result dictionary (see the module docstring)."""
-    import dataclasses  # noqa: PLC0415 - with the rest of the run's imports
-
-    from lynx_bench.transport_bench import baselines as base  # noqa: PLC0415
-    from lynx_bench.transport_bench.peer_runs import (  # noqa: PLC0415
-        MOONCAKE_TCP,
-        NIXL,
-        NIXL_TCP,
-        TCP_TLS,
-        PeerBackends,
-        best_of,
-        latency_summary,
-    )
-    from lynx_transport import Lane, ReceivePool, Receiver, TransportConfig  # noqa: PLC0415
-    from lynx_transport.testing import UNTOUCHED, WRITTEN_ZEROS, PeerProcess, sender_server  # noqa: PLC0415
-
-    say = progress or (lambda msg: None)
-    selected = engines(args.peers)
-    # before anything here imports ucxx, which adds UCX_* variables of its own
-    ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     default = TransportConfig()
     args.tls = default.ucx_tls if args.tls is None else args.tls
     args.chunk_kib = default.chunk_bytes // 1024 if args.chunk_kib is None else args.chunk_kib
     args.inflight_mib = (default.max_inflight_bytes // MiB if args.inflight_mib is None
                          else args.inflight_mib)
     args.rails = default.rails if args.rails is None else args.rails
-    nbytes = args.size_mib * MiB
+    return TransportConfig(chunk_bytes=args.chunk_kib * 1024,
+                           max_inflight_bytes=args.inflight_mib * MiB, ucx_tls=args.tls,
+                           rails=args.rails)
+
+
+def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
+    """Run every backend; returns the result dictionary (see the module docstring).
+
+    Each round calls the runners of :meth:`~lynx_bench.transport_bench.backends.Backends.runners`
+    in their order (the interleaving) and merges their records; Lynx's shaped runs follow
+    the rounds (:meth:`~lynx_bench.transport_bench.lynx_runs.LynxPaths.after_rounds`)."""
+    from lynx_bench.transport_bench.backends import Backends  # noqa: PLC0415 - the run's imports
+    from lynx_bench.transport_bench.results import summarize  # noqa: PLC0415
+    from lynx_bench.transport_bench.runner import Plan, Record  # noqa: PLC0415
+
+    say = progress or (lambda msg: None)
+    selected = engines(args.peers)
+    # before anything here imports ucxx, which adds UCX_* variables of its own
+    ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    config = _config(args)
     rounds, messages = (1, 3) if args.quick else (args.rounds, args.messages)
-    latency_messages = min(args.latency_messages, 30) if args.quick else args.latency_messages
-    config = TransportConfig(chunk_bytes=args.chunk_kib * 1024,
-                             max_inflight_bytes=args.inflight_mib * MiB, ucx_tls=args.tls,
-                             rails=args.rails)
-    tcp_config = dataclasses.replace(config, ucx_tls=TCP_TLS)
-    times: dict[str, list[float]] = {"lynx": [], "lynx_written": [], "ucxx": [], "ucxx_written": [],
-                                     "asyncio_tcp": [], "lynx_tcp": []}
-    latency: dict[str, dict[int, list[float]]] = {}
-    data_latency: dict[str, dict[int, list[float]]] = {}  # Lynx's, without the manifest round trip
-    sources = {"": UNTOUCHED, "_written": WRITTEN_ZEROS}
-    lynx_e2e: list[float] = []
-    perftest: list[float] = []
+    plan = Plan(nbytes=args.size_mib * MiB, rounds=rounds, messages=messages, tls=args.tls,
+                latency_messages=min(args.latency_messages, 30) if args.quick else args.latency_messages)
     rates = [float(x) for x in args.shaping_gbps.split(",")]
-    chunk = config.chunk_bytes
-
-    def shaped_bytes(gbps: float) -> int:  # ~0.8 s at the rate
-        return max(int(gbps * 1e9 / 8 * 0.8) // chunk * chunk, 8 * chunk)
-
-    pool_bytes = max(3 * nbytes, 128 * MiB, *(shaped_bytes(g) + chunk for g in rates))
-    rx = Receiver(ReceivePool(pool_bytes), config=config, on_stream_complete=lambda s: s.release())
-    rx_tcp = Receiver(ReceivePool(max(nbytes, *(shaped_bytes(g) + chunk for g in rates)) + 2 * MiB),
-                      config=tcp_config, on_stream_complete=lambda s: s.release())
-    lynx_peer = PeerProcess(sender_server, rx.address, config)
-    lynx_tcp_peer = PeerProcess(sender_server, rx_tcp.address, tcp_config)
-    ucxx_peer = PeerProcess(base.raw_ucxx_receiver, nbytes, args.tls)
-    tcp_peer = PeerProcess(base.tcp_receiver, nbytes)
-    lynx_peers = {"lynx": lynx_peer, "lynx_tcp": lynx_tcp_peer}
-
-    def lynx_send(peer: Any, specs: list) -> dict[str, Any]:
-        res = peer.call("send", specs, b"", 60.0)
-        if res["state"] != "completed":
-            raise RuntimeError(f"lynx stream failed: {res['error']}")
-        return res
-
+    # the JSON's per-message order: these first, then the peers as they ran
+    record = Record(throughput_s={name: [] for name in (
+        "lynx", "lynx_written", "ucxx", "ucxx_written", "asyncio_tcp", "lynx_tcp")})
+    backends = Backends(plan, config, rates, selected, ucx_env)
     try:
         say("starting the backends")
-        lynx_peer.reply(60)
-        lynx_tcp_peer.reply(60)
-        raw = base.raw_ucxx_send(ucxx_peer.reply(60), nbytes, args.tls)
-        tcp = base.tcp_send(tuple(tcp_peer.reply(60)), nbytes)
-        peers = PeerBackends(selected, nbytes, args.tls, ucx_env)
+        backends.start()
         for r in range(rounds):
-            say(f"round {r + 1}/{rounds}: throughput")
-            # each group warms up right before its timed messages, for WARM_UP_S of
-            # sends (this VM speeds up over ~50 ms of steady traffic; ucx_perftest
-            # too warms up right before its timed iterations)
-            for suffix, seed in sources.items():
-                specs = [("msg", nbytes, Lane.RESIDUAL, seed)]
-                timed_res = _timed(lambda specs=specs: lynx_send(lynx_peer, specs), messages)
-                times["lynx" + suffix] += [res["data_s"] for res in timed_res]
-                if not suffix:
-                    lynx_e2e.extend(res["total_s"] for res in timed_res)
-                times["ucxx" + suffix] += _timed(lambda seed=seed: raw.send(ucxx_peer, seed),
-                                                 messages)
-            times["asyncio_tcp"] += _timed(tcp.send, messages)
-            # the same warm-up as the others: WARM_UP_S of sends at ~10 GB/s
-            warmup = max(1, round(WARM_UP_S * 10e9 / nbytes))
-            perftest.append(base.ucx_perftest_gbps(nbytes, max(messages, 5) * 2, args.tls,
-                                                   warmup=warmup))
-            tcp_specs = [("msg", nbytes, Lane.RESIDUAL, UNTOUCHED)]
-            times["lynx_tcp"] += [res["data_s"] for res in _timed(
-                lambda specs=tcp_specs: lynx_send(lynx_tcp_peer, specs), messages)]
-            say(f"round {r + 1}/{rounds}: latency")
-            for size in LATENCY_SIZES:
-                for name, peer in lynx_peers.items():
-                    specs = [("anchor", size, Lane.ANCHOR, UNTOUCHED)]
-                    got_lynx = _timed(lambda peer=peer, specs=specs: lynx_send(peer, specs), latency_messages)
-                    latency.setdefault(name, {}).setdefault(size, []).extend(r["total_s"] for r in got_lynx)
-                    data_latency.setdefault(name, {}).setdefault(size, []).extend(
-                        r["data_s"] for r in got_lynx)
-            for name in peers.names():
-                say(f"round {r + 1}/{rounds}: {name}")
-                # from a written buffer too on the default path, where the zero page's
-                # effect is large (over tcp the kernel's socket copies dominate)
-                written = [(nbytes, messages, True)] if name in NIXL else []
-                groups = [(nbytes, messages, False), *written,
-                          *((size, latency_messages, False) for size in LATENCY_SIZES)]
-                got = peers.run(name, groups, WARM_UP_S)
-                if got is None:
-                    continue
-                times.setdefault(name, []).extend(got[0])
-                if written:
-                    times.setdefault(name + "_written", []).extend(got[1])
-                for size, seconds in zip(LATENCY_SIZES, got[1 + len(written):]):
-                    latency.setdefault(name, {}).setdefault(size, []).extend(seconds)
-        sender_stats = lynx_peer.call("stats")
-        receiver_stats = rx.stats()
-
-        say("anchor under load")
-        link = (args.link_gbps, 4 * chunk)
-        rate_bps = args.link_gbps * 1e9 / 8
-        anchor_bytes = 16 * MiB
-        ratios = []
-        lynx_peer.call("link_rate", link)
-        for _ in range(1 if args.quick else 3):
-            background = lynx_peer.call("start", [("res", 4 * anchor_bytes, Lane.RESIDUAL, -1)], b"")
-            # let the residual fill the link (and the in-flight window) first
-            time.sleep(0.2)
-            res = lynx_peer.call("send", [("anc", anchor_bytes, Lane.ANCHOR, -1)], b"", 60.0)
-            if lynx_peer.call("wait", background, 60.0)["state"] != "completed" or \
-                    res["state"] != "completed":
-                raise RuntimeError(f"lynx stream under load failed: {res['error']}")
-            ratios.append(res["lane_s"][Lane.ANCHOR] / (anchor_bytes / rate_bps))
-        lynx_peer.call("link_rate", None)
-
-        shaping: dict[str, dict[str, Any]] = {}
-        for name, peer in lynx_peers.items():
-            say(f"shaping ({name})")
-            shaping[name] = {}
-            for gbps in rates:
-                burst = 4 * chunk
-                shaped = shaped_bytes(gbps)
-                peer.call("link_rate", (gbps, burst))
-                res = peer.call("send", [("bulk", shaped, Lane.RESIDUAL, -1)], b"", 60.0)
-                peer.call("link_rate", None)
-                if res["state"] != "completed":
-                    raise RuntimeError(f"shaped lynx stream failed: {res['error']}")
-                # a bucket lets burst + one chunk go at once, then exactly `rate`
-                achieved = (shaped - burst - chunk) * 8 / res["data_s"] / 1e9
-                shaping[name][str(gbps)] = {"achieved_gbps": round(achieved, 4),
-                                            "error": round(abs(achieved - gbps) / gbps, 4)}
-        tcp.close()
+            phase = None
+            for runner in backends.runners():
+                if runner.phase != phase:
+                    phase = runner.phase
+                    say(f"round {r + 1}/{rounds}: {phase}")
+                record.add(runner.run(plan))
+        after = backends.lynx.after_rounds(args.link_gbps, 1 if args.quick else 3, rates, say)
+        backends.stop_tcp()
     finally:
-        for process in (lynx_peer, lynx_tcp_peer, ucxx_peer, tcp_peer):
-            process.close()
-        rx.close()
-        rx_tcp.close()
-
-    def median_of(name: str) -> float | None:
-        return round(_median_gbps(nbytes, times[name]), 3) if times.get(name) else None
-
-    lynx = _median_gbps(nbytes, times["lynx"])
-    nixl, nixl_config = best_of({n: g for n in NIXL if (g := median_of(n)) is not None}, NIXL)
-    nixl_written, nixl_written_config = best_of(
-        {n: g for n in NIXL if (g := median_of(n + "_written")) is not None}, NIXL)
-    nixl_tcp, nixl_tcp_config = best_of({n: g for n in NIXL_TCP if (g := median_of(n)) is not None},
-                                        NIXL_TCP)
-    lat = {name: {str(size): latency_summary(v) for size, v in sizes.items()}
-           for name, sizes in latency.items()}
-
-    def p99_vs_best(name: str, others: list[str]) -> float | None:
-        best = [lat[o][str(LATENCY_SIZES[0])]["p99_us"] for o in others if o in lat]
-        return _ratio(lat[name][str(LATENCY_SIZES[0])]["p99_us"], min(best)) if best else None
-
-    from lynx_bench.transport_bench.peers.mooncake import CONFIG as MOONCAKE_CONFIG  # noqa: PLC0415 - as above
-
-    result = {
-        "lynx_gbps": round(lynx, 3),
-        "ucxx_gbps": median_of("ucxx"),
-        "ucx_perftest_gbps": round(statistics.median(perftest), 3),
-        "lynx_written_gbps": median_of("lynx_written"),
-        "ucxx_written_gbps": median_of("ucxx_written"),
-        "asyncio_tcp_gbps": median_of("asyncio_tcp"),
-        "lynx_tcp_gbps": median_of("lynx_tcp"),
-        "nixl_gbps": nixl,
-        "nixl_config": nixl_config,
-        **{f"{n}_gbps": median_of(n) for n in NIXL},
-        "nixl_written_gbps": nixl_written,
-        "nixl_written_config": nixl_written_config,
-        **{f"{n}_written_gbps": median_of(n + "_written") for n in NIXL},
-        "nixl_tcp_gbps": nixl_tcp,
-        "nixl_tcp_config": nixl_tcp_config,
-        **{f"{n}_gbps": median_of(n) for n in NIXL_TCP},
-        "mooncake_tcp_gbps": median_of(MOONCAKE_TCP),
-        "anchor_under_load_ratio": round(statistics.median(ratios), 4),
-        "shaping_error": max(e["error"] for e in shaping["lynx"].values()),
-        "shaping_error_tcp": max(e["error"] for e in shaping["lynx_tcp"].values()),
-        "latency": lat,
-        "skipped": peers.skipped,
-        "details": {
-            "message_bytes": nbytes, "messages_per_backend": len(times["lynx"]),
-            "ucx_tls": args.tls, "ucx_error_handling": "none (ucx_perftest without -e)",
-            "send_buffers": "lynx_gbps, ucxx_gbps, lynx_tcp_gbps and the peer engines: allocated "
-                            "and never written, like ucx_perftest's; *_written_gbps (NIXL's "
-                            "too), asyncio_tcp_gbps: written",
-            "chunk_bytes": config.chunk_bytes, "max_inflight_bytes": config.max_inflight_bytes,
-            "rails": config.rails,
-            "lynx_gbps_timing": "first chunk handed to UCX -> receiver's STREAM_DONE",
-            "lynx_end_to_end_gbps": round(_median_gbps(nbytes, lynx_e2e), 3),
-            "lynx_end_to_end_timing": "send_stream() -> receiver's STREAM_DONE (adds the "
-                                      "manifest round trip and posting the receives)",
-            "peer_timing": "the initiator's write call -> its completion (bytes in the target's "
-                           "memory); NIXL: transfer() -> check_xfer_state() == DONE, "
-                           "Mooncake: transfer_sync_write()",
-            "peer_configs": {**{n: c.described for n, c in {**NIXL, **NIXL_TCP}.items()},
-                             MOONCAKE_TCP: MOONCAKE_CONFIG},
-            "latency_timing": "lynx, lynx_tcp: one stream of one region on the anchor lane, "
-                              "send_stream() -> receiver's STREAM_DONE; peers: one write",
-            "lynx_data_path_latency": {name: {str(size): latency_summary(v) for size, v in sizes.items()}
-                                       for name, sizes in data_latency.items()},
-            "lynx_data_path_latency_timing": "the same streams, first chunk handed to UCX -> "
-                                             "receiver's STREAM_DONE (no manifest round trip)",
-            "per_message_gbps": {k: [round(nbytes * 8 / t / 1e9, 3) for t in v]
-                                 for k, v in times.items()},
-            "ucx_perftest_runs_gbps": [round(x, 3) for x in perftest],
-            "anchor_under_load_ratios": [round(x, 4) for x in ratios],
-            "anchor_link_gbps": args.link_gbps, "anchor_bytes": anchor_bytes,
-            "shaping": shaping["lynx"], "shaping_tcp": shaping["lynx_tcp"],
-            "sender_lanes": _lanes(sender_stats), "receiver_lanes": _lanes(receiver_stats),
-        },
-    }
-    result["lynx_vs_ucx_perftest"] = round(lynx / result["ucx_perftest_gbps"], 3)
-    result["lynx_vs_asyncio_tcp"] = _ratio(result["lynx_written_gbps"], result["asyncio_tcp_gbps"])
-    result["lynx_vs_ucxx_written"] = _ratio(result["lynx_written_gbps"], result["ucxx_written_gbps"])
-    result["lynx_vs_nixl"] = _ratio(result["lynx_gbps"], nixl)
-    result["lynx_written_vs_nixl_written"] = _ratio(result["lynx_written_gbps"], nixl_written)
-    result["lynx_tcp_vs_nixl_tcp"] = _ratio(result["lynx_tcp_gbps"], nixl_tcp)
-    result["lynx_tcp_vs_mooncake_tcp"] = _ratio(result["lynx_tcp_gbps"], result["mooncake_tcp_gbps"])
-    result["lynx_p99_64k_vs_best_peer"] = p99_vs_best("lynx", list(NIXL))
-    result["lynx_tcp_p99_64k_vs_best_peer"] = p99_vs_best("lynx_tcp", [*NIXL_TCP, MOONCAKE_TCP])
-    result["targets_met"] = {k: None if result[k] is None else
-                             (result[k] >= v if op == ">=" else result[k] <= v)
-                             for k, (op, v) in TARGETS.items()}
-    return result
+        backends.close()
+    assert backends.peers is not None
+    return summarize(record, after, plan, config, args.link_gbps, backends.peers.skipped)
 
 
 def run(args: argparse.Namespace) -> int:

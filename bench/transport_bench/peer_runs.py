@@ -12,22 +12,25 @@ benchmark can interleave them with its own backends in rounds. Backend names
 * ``nixl_tcp_progress_thread``, ``nixl_tcp_polling`` - the same over ``UCX_TLS=tcp``;
 * ``mooncake_tcp`` - Mooncake TE over TCP (its ``non-cuda`` wheel's only transport).
 
+:class:`PeerRun` is one backend's :class:`~lynx_bench.transport_bench.runner.Runner`.
 :func:`best_of` picks an engine's faster configuration from the medians;
 :func:`latency_summary` is the per-message latency the JSON reports.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 from collections.abc import Callable
 from typing import Any
 
-from lynx_bench.transport_bench.peers.engines import Engine, missing
+from lynx_bench.transport_bench.peers.engines import WARM_UP_S, Engine, missing
 from lynx_bench.transport_bench.peers.mooncake import MooncakePair
 from lynx_bench.transport_bench.peers.nixl import NixlConfig, NixlPair
+from lynx_bench.transport_bench.runner import LATENCY_SIZES, Plan, Record
 
-__all__ = ["PeerBackends", "TCP_TLS", "best_of", "latency_summary", "NIXL", "NIXL_TCP", "MOONCAKE_TCP"]
+__all__ = ["PeerBackends", "PeerRun", "TCP_TLS", "best_of", "latency_summary", "NIXL", "NIXL_TCP", "MOONCAKE_TCP"]
 
 #: The UCX path every ``*_tcp`` backend uses.
 TCP_TLS = "tcp"
@@ -85,6 +88,35 @@ class PeerBackends:
             return [pair.timed(size, messages, warm_up_s, written) for size, messages, written in groups]
         finally:
             pair.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerRun:
+    """Backend ``name`` of ``peers`` for one round: ``plan.messages`` of ``plan.nbytes`` from
+    the never-written buffer, from a written one too for NIXL on the default path (where the
+    zero page's effect is large; over tcp the kernel's socket copies dominate), then
+    ``plan.latency_messages`` per size of :data:`LATENCY_SIZES`, all in one start of its
+    processes. An empty record when its engine cannot run."""
+
+    name: str
+    peers: PeerBackends
+
+    @property
+    def phase(self) -> str:
+        return self.name
+
+    def run(self, plan: Plan) -> Record:
+        written = [(plan.nbytes, plan.messages, True)] if self.name in NIXL else []
+        groups = [(plan.nbytes, plan.messages, False), *written,
+                  *((size, plan.latency_messages, False) for size in LATENCY_SIZES)]
+        got = self.peers.run(self.name, groups, WARM_UP_S)
+        if got is None:
+            return Record()
+        record = Record(throughput_s={self.name: got[0]})
+        if written:
+            record.throughput_s[self.name + "_written"] = got[1]
+        record.latency_s[self.name] = dict(zip(LATENCY_SIZES, got[1 + len(written):], strict=False))
+        return record
 
 
 def best_of(gbps: dict[str, float], names: dict[str, NixlConfig]) -> tuple[float | None, str | None]:

@@ -142,26 +142,32 @@ def run(model_dir: Path, out: Path, *, tokens: int = 2048, new_tokens: int = 16,
         "schemes": [],
     }
     for scheme in SCHEMES:
-        runs = rows[scheme]
-        mine = [r for r in loads if r.get("asked_scheme", r["scheme"]) == scheme]
-        ttft = statistics.median(r["ttft_s"] for r in runs)
-        result["schemes"].append({
-            "scheme": scheme, "ttft_s": ttft, "ttft_with_prefill_s": result["producer_prefill_s"] + ttft,
-            "ttft_runs_s": [r["ttft_s"] for r in runs],
-            "text": _detok(model_dir, runs[0]["token_ids"]),
-            "equal_to_reference": all(r["token_ids"] == reference for r in runs),
-            "bytes_on_wire": mine[0]["bytes_on_wire"] if mine else None,
-            # what was pulled: lynx's default split is auto (possibly none: then int8)
-            "pulled": sorted({(r["scheme"], str(r.get("planes"))) for r in mine}),
-            "split_choice": mine[-1].get("split_choice") if mine else None,
-            "loads_ok": sum(1 for r in mine if r["error"] is None and r["layers_loaded"] > 0),
-        })
+        result["schemes"].append(_scheme_row(model_dir, scheme, rows[scheme], loads, reference,
+                                             result["producer_prefill_s"]))
     int8 = next(s for s in result["schemes"] if s["scheme"] == "int8")
     lynx = next(s for s in result["schemes"] if s["scheme"] == "lynx")
     lynx["equal_to_int8"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(rows["lynx"], rows["int8"]))
     int8["equal_to_int8"] = True
     (out / "result.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _scheme_row(model_dir: Path, scheme: str, runs: list[dict[str, Any]], loads: list[dict[str, Any]],
+                reference: list[int], prefill_s: float) -> dict[str, Any]:
+    """One scheme's entry of ``result.json``'s ``schemes``, from its rounds and the consumer's load records."""
+    mine = [r for r in loads if r.get("asked_scheme", r["scheme"]) == scheme]
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    return {
+        "scheme": scheme, "ttft_s": ttft, "ttft_with_prefill_s": prefill_s + ttft,
+        "ttft_runs_s": [r["ttft_s"] for r in runs],
+        "text": _detok(model_dir, runs[0]["token_ids"]),
+        "equal_to_reference": all(r["token_ids"] == reference for r in runs),
+        "bytes_on_wire": mine[0]["bytes_on_wire"] if mine else None,
+        # what was pulled: lynx's default split is auto (possibly none: then int8)
+        "pulled": sorted({(r["scheme"], str(r.get("planes"))) for r in mine}),
+        "split_choice": mine[-1].get("split_choice") if mine else None,
+        "loads_ok": sum(1 for r in mine if r["error"] is None and r["layers_loaded"] > 0),
+    }
 
 
 def _start(*specs: dict[str, Any]) -> list[VllmNode]:

@@ -11,7 +11,7 @@ Lynx sends of it (:meth:`LayerGeometry.kept`).
 
 Rolling back rejected drafts inside a window needs nothing more: the decode
 node's cache keeps the received window plus every position appended since, and
-a crop only shortens it (``lynx_decode.model.hf``), so every position a kept
+a crop only shortens it (``lynx_decode.model.slab``), so every position a kept
 token can still attend to is there.
 """
 

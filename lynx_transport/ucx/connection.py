@@ -62,7 +62,8 @@ from lynx_transport.protocol.wire import (
 from lynx_transport.send_stream import SendStream
 from lynx_transport.stats import TransportStats
 from lynx_transport.ucx.adapter import UcxWorker
-from lynx_transport.ucx.sender_loop import Peer, SenderLoop
+from lynx_transport.ucx.sender_loop import SenderLoop
+from lynx_transport.ucx.sender_state import Peer
 
 __all__ = ["Connection", "connect"]
 

@@ -1,4 +1,8 @@
-"""The receiver's I/O thread: accepting connections, admitting manifests, landing chunks.
+"""The receiver's I/O thread: accepting connections, the handshake, frames, admitting manifests.
+
+Pool admission decisions come from :mod:`lynx_transport.protocol.admission`; an
+admitted stream's chunks, completion and failure are
+:class:`~lynx_transport.ucx.receiver_streams.RxStreams`'.
 
 All state here is owned by the ``lynx-rx-io`` thread (see :mod:`lynx_transport.ucx.loop`);
 the public face is :class:`lynx_transport.ucx.receiver.Receiver`, which hands the
@@ -22,13 +26,13 @@ from lynx_transport.errors import (
     ConnectError,
     ManifestError,
     PeerDisconnectedError,
-    PoolExhaustedError,
     ProtocolError,
     StreamCancelledError,
     StreamFailedError,
     TransportError,
 )
 from lynx_transport.protocol import auth
+from lynx_transport.protocol.admission import AdmissionQueue, Admit, Wait
 from lynx_transport.protocol.clock import Clock
 from lynx_transport.protocol.manifest import Manifest, decode_manifest
 from lynx_transport.protocol.pool import ReceivePool
@@ -43,7 +47,6 @@ from lynx_transport.protocol.wire import (
     pack_stream_lane,
     pack_stream_text,
     pack_stream_token,
-    pack_u64,
     pack_welcome,
     unpack_chunk_sum,
     unpack_stream_text,
@@ -57,7 +60,8 @@ from lynx_transport.ucx.control import ControlSocket
 from lynx_transport.ucx.loop import IoLoop
 from lynx_transport.ucx.receiver_quarantine import Quarantine
 from lynx_transport.ucx.receiver_rail import RailLoop, cancel_receives, post_receives
-from lynx_transport.ucx.receiver_state import PostedChunk, RxPeer, RxStream
+from lynx_transport.ucx.receiver_state import RxPeer, RxStream
+from lynx_transport.ucx.receiver_streams import RxStreams
 
 __all__ = ["RxLoop", "CALLBACKS"]
 
@@ -102,10 +106,10 @@ class RxLoop(IoLoop):
         self.rails: list[RailLoop] = []
         # a failed stream's receives are cancelled on the rail that posted them
         self.quarantine = Quarantine(pool, lambda requests: cancel_receives(requests, self.rails))
-        self.waiting: collections.deque[tuple[float, RxPeer, Manifest]] = collections.deque()
+        self.waiting: AdmissionQueue[RxPeer] = AdmissionQueue(pool, config.pool_wait_s,
+                                                              lambda conn: conn.ctl.closed)
         self.counters = LaneCounters()
-        self.completed = 0
-        self.failed = 0
+        self.streams = RxStreams(pool, clock, post, self.cb, self.quarantine, self.counters)
         self.max_payload = config.manifest_limits.max_encoded_bytes
         try:
             for i in range(1, config.rails):
@@ -159,7 +163,7 @@ class RxLoop(IoLoop):
         if not quiet and not isinstance(exc, (PeerDisconnectedError, ClosedError)):
             log.warning("dropping control connection from %s: %s", conn.ctl.peer, exc)
         for rx in list(conn.streams.values()):
-            self.fail(rx, exc, StreamState.FAILED)
+            self.streams.fail(rx, exc, StreamState.FAILED)
         try:
             self.selector.unregister(conn.ctl.sock)
         except (KeyError, ValueError):
@@ -187,17 +191,17 @@ class RxLoop(IoLoop):
             self.on_open(conn, frame.payload)
         elif t is FrameType.CANCEL:
             sid = unpack_u64(frame.payload, "CANCEL")
-            self.drop_waiting(conn, sid)
+            self.waiting.discard(conn, sid)
             rx = conn.streams.get(sid)
             if rx is not None:
-                self.fail(rx, StreamCancelledError(
+                self.streams.fail(rx, StreamCancelledError(
                     f"stream {rx.handle.stream_id} was cancelled by its sender"), StreamState.CANCELLED)
         elif t is FrameType.STREAM_FAILED:
             sid, _, text = unpack_stream_text(frame.payload)
-            self.drop_waiting(conn, sid)
+            self.waiting.discard(conn, sid)
             rx = conn.streams.get(sid)
             if rx is not None:
-                self.fail(rx, StreamFailedError(f"sender failed stream {sid}: {text}"),
+                self.streams.fail(rx, StreamFailedError(f"sender failed stream {sid}: {text}"),
                           StreamState.FAILED)
         elif t is FrameType.CHUNK_SUM:
             if not self.config.verify_chunks:
@@ -269,47 +273,28 @@ class RxLoop(IoLoop):
         if sid in conn.streams:
             self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already active")
             return
-        if any(sid == m.stream_id for _, c, m in self.waiting if c is conn):
+        if self.waiting.holds(conn, sid):
             self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already waiting")
             return
-        self.waiting.append((self.clock.now() + self.config.pool_wait_s, conn, manifest))
+        self.waiting.add(conn, manifest, self.clock.now())
         self.admit_waiting(self.clock.now())
 
-    def drop_waiting(self, conn: RxPeer, sid: int) -> None:
-        """Forget a manifest still waiting for pool space (its sender gave it up)."""
-        self.waiting = collections.deque(
-            w for w in self.waiting if not (w[1] is conn and w[2].stream_id == sid))
-
     def admit_waiting(self, now: float) -> float | None:
-        """Admit waiting manifests in arrival order while the pool has room (back-pressure).
-
-        A manifest that cannot fit before its deadline (``pool_wait_s``) is
-        rejected with ``POOL_EXHAUSTED``; one larger than the whole pool at once.
-        """
-        deadline = None
-        while self.waiting:
-            until, conn, manifest = self.waiting[0]
-            if conn.ctl.closed:
-                self.waiting.popleft()
-                continue
+        """Act on the pool's admission decisions (:mod:`lynx_transport.protocol.admission`):
+        admit, reject with ``POOL_EXHAUSTED``, or return when the first waiting one gives up."""
+        while (decision := self.waiting.next(now)) is not None:
+            if isinstance(decision, Wait):
+                return decision.until
+            conn, manifest = decision.peer, decision.manifest
             try:
-                offsets = self.pool.allocate([r.nbytes for r in manifest.regions])
-            except PoolExhaustedError as exc:
-                too_big = manifest.total_bytes > self.pool.nbytes
-                if until <= now or too_big:
-                    self.waiting.popleft()
-                    try:
-                        self.reject(conn, manifest.stream_id, RejectReason.POOL_EXHAUSTED, str(exc))
-                    except TransportError as err:
-                        self.drop_conn(conn, err)
-                    continue
-                return until
-            self.waiting.popleft()
-            try:
-                self.admit(conn, manifest, offsets)
+                if isinstance(decision, Admit):
+                    self.admit(conn, manifest, decision.offsets)
+                else:
+                    self.reject(conn, manifest.stream_id, RejectReason.POOL_EXHAUSTED,
+                                str(decision.error))
             except TransportError as err:
                 self.drop_conn(conn, err)
-        return deadline
+        return None
 
     def admit(self, conn: RxPeer, manifest: Manifest, offsets: list[int]) -> None:
         sid = manifest.stream_id
@@ -318,53 +303,21 @@ class RxLoop(IoLoop):
         handle = ReceiveStream(manifest, regions, self.pool, conn.ctl.peer, self.release)
         rx = RxStream(handle, self.quarantine.alloc_token(), conn)
         conn.streams[sid] = rx
-        handle._abandon = lambda reason, timeout: self.run(lambda: self.abandon(rx, reason), timeout)
+        handle._abandon = lambda reason, timeout: self.run(lambda: self.streams.abandon(rx, reason),
+                                                           timeout)
         handle._go = lambda lane, timeout: self.run(lambda: self.lane_go(rx, lane), timeout)
         self.post(self.cb["on_stream_open"], handle)
         self.opened(handle)
         try:
             post_receives(self.worker, self.rails, self.pool, rx, manifest, regions)
         except TransportError as exc:
-            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
+            self.streams.fail(rx, exc, StreamState.FAILED, tell_peer=True)
             return
         handle._completion.activate()
         for lane in manifest.lanes:
             self.counters.started(lane, self.clock.now())
         self.send(conn, FrameType.ACCEPT, pack_stream_token(sid, rx.token))
-        self.finish_empty(rx)
-
-    def finish_empty(self, rx: RxStream) -> None:
-        """Regions and lanes with no bytes are complete as soon as the stream opens."""
-        for i, r in enumerate(rx.handle.regions):
-            if r.nbytes == 0:
-                self.region_landed(rx, i)
-        for lane in sorted(rx.lanes_open):
-            if rx.lane_left[lane] == 0:
-                self.lane_landed(rx, lane)
-        if rx.left == 0:
-            self.stream_landed(rx)
-
-    # -- completion ----------------------------------------------------------------------
-    def region_landed(self, rx: RxStream, i: int) -> None:
-        region = rx.handle.regions[i]
-        rx.handle._completion.region_done(region.name)
-        self.post(self.cb["on_region"], rx.handle, region)
-
-    def lane_landed(self, rx: RxStream, lane: int) -> None:
-        rx.lanes_open.discard(lane)
-        if rx.handle._completion.lane_done(lane, self.clock.now()):
-            self.send(rx.conn, FrameType.LANE_DONE, pack_stream_lane(rx.handle.stream_id, lane))
-            self.post(self.cb["on_lane_complete"], rx.handle, lane)
-
-    def stream_landed(self, rx: RxStream) -> None:
-        if rx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
-            rx.handle._abandon = rx.handle._go = None
-            self.completed += 1
-            del rx.conn.streams[rx.handle.stream_id]
-            rx.conn.completed_ids.append(rx.handle.stream_id)
-            self.quarantine.free_token(rx.token)
-            self.send(rx.conn, FrameType.STREAM_DONE, pack_u64(rx.handle.stream_id))
-            self.post(self.cb["on_stream_complete"], rx.handle)
+        self.streams.finish_empty(rx)
 
     def lane_go(self, rx: RxStream, lane: int) -> None:
         """``ReceiveStream.release_lane``: let the sender send a lane it holds."""
@@ -374,64 +327,6 @@ class RxLoop(IoLoop):
             self.send(rx.conn, FrameType.LANE_GO, pack_stream_lane(rx.handle.stream_id, lane))
         except TransportError as exc:  # the stream fails with the connection
             self.drop_conn(rx.conn, exc)
-
-    def abandon(self, rx: RxStream, reason: str) -> None:
-        """The receiver's user gave the stream up (``ReceiveStream.abandon``)."""
-        self.fail(rx, StreamCancelledError(f"stream {rx.handle.stream_id} was abandoned by the "
-                                           f"receiver: {reason}"), StreamState.CANCELLED, tell_peer=True)
-
-    def fail(self, rx: RxStream, exc: TransportError, state: StreamState,
-             tell_peer: bool = False) -> None:
-        h = rx.handle
-        if not h._completion.finish(state, self.clock.now(), exc):
-            return
-        h._abandon = h._go = None
-        self.failed += 1
-        rx.conn.streams.pop(h.stream_id, None)
-        requests = [(p.rail, p.request) for q in rx.pending.values() for p in q
-                    if p.request is not None]
-        for q in rx.pending.values():  # a stale frame (traceback) may still reference a queue
-            q.regions.clear()
-        rx.pending.clear()
-        rx.unverified.clear()
-        blocks = [(r.offset, r.nbytes) for r in h.regions] if h._mark_released() else []
-        # the token stays taken too: no new stream's tags may match these receives
-        self.quarantine.hold(self.clock.now(), blocks, requests, rx.token)
-        if tell_peer and not rx.conn.ctl.closed:
-            try:
-                self.send(rx.conn, FrameType.STREAM_FAILED, pack_stream_text(h.stream_id, 0, str(exc)))
-            except TransportError:
-                pass
-        self.post(self.cb["on_stream_failed"], h, exc)
-
-    def chunk_landed(self, rx: RxStream, p: PostedChunk, now: float) -> None:
-        """Account one chunk whose bytes are in place (and verified, if asked)."""
-        lane = p.lane
-        self.counters.add(lane, p.nbytes, now)
-        region = rx.handle.regions[p.region]
-        on_chunk = self.cb["on_chunk"]
-        if on_chunk is not None:
-            self.post(on_chunk, rx.handle, region, p.offset, p.nbytes)
-        rx.region_left[p.region] -= p.nbytes
-        rx.lane_left[lane] -= p.nbytes
-        rx.left -= p.nbytes
-        if rx.region_left[p.region] == 0:
-            self.region_landed(rx, p.region)
-        if rx.lane_left[lane] == 0:
-            self.lane_landed(rx, lane)
-        if rx.left == 0:
-            self.stream_landed(rx)
-
-    def verify_chunk(self, rx: RxStream, p: PostedChunk) -> bool:
-        """True when ``p``'s bytes match the sender's CHUNK_SUM; parks it until the sum arrives.
-
-        A mismatch (a short, long or corrupted chunk) fails the stream.
-        """
-        try:
-            return rx.verify(p, self.pool)
-        except ProtocolError as exc:
-            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
-            return False
 
     def on_chunk_sum(self, conn: RxPeer, payload: bytes) -> None:
         sid, index, nbytes, crc = unpack_chunk_sum(payload)
@@ -444,10 +339,10 @@ class RxLoop(IoLoop):
         try:
             p = rx.add_sum(index, nbytes, crc)
         except ProtocolError as exc:
-            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
+            self.streams.fail(rx, exc, StreamState.FAILED, tell_peer=True)
             return
-        if p is not None and self.verify_chunk(rx, p):
-            self.chunk_landed(rx, p, self.clock.now())
+        if p is not None and self.streams.verify_chunk(rx, p):
+            self.streams.chunk_landed(rx, p, self.clock.now())
 
     # -- the loop body ------------------------------------------------------------------------
     def step(self) -> tuple[bool, bool, float | None]:
@@ -464,13 +359,13 @@ class RxLoop(IoLoop):
                         try:
                             adapter.check(p.request, f"stream {rx.handle.stream_id}")
                         except TransportError as exc:
-                            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
+                            self.streams.fail(rx, exc, StreamState.FAILED, tell_peer=True)
                             break
-                        if verify and not self.verify_chunk(rx, p):
+                        if verify and not self.streams.verify_chunk(rx, p):
                             if rx.handle.state.terminal:
                                 break
                             continue  # parked until its CHUNK_SUM arrives
-                        self.chunk_landed(rx, p, now)
+                        self.streams.chunk_landed(rx, p, now)
                         if rx.handle.state.terminal:
                             break
                     if rx.handle.state.terminal:
@@ -544,7 +439,7 @@ class RxLoop(IoLoop):
                 for lane, q in rx.pending.items():
                     inflight[lane] += sum(p.nbytes for p in q)
         active = sum(len(c.streams) for c in self.conns.values())
-        return TransportStats(self.counters.snapshot({}, inflight), active, self.completed,
-                              self.failed)
+        return TransportStats(self.counters.snapshot({}, inflight), active, self.streams.completed,
+                              self.streams.failed)
 
 

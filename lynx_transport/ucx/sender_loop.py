@@ -23,7 +23,6 @@ together after a grace period (dropping an endpoint cancels its sends).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import selectors
@@ -69,8 +68,9 @@ from lynx_transport.ucx import adapter
 from lynx_transport.ucx.adapter import UcxWorker
 from lynx_transport.ucx.control import ControlSocket
 from lynx_transport.ucx.loop import IoLoop
+from lynx_transport.ucx.sender_state import Peer, TxStream
 
-__all__ = ["Peer", "SenderLoop", "GRACE_S"]
+__all__ = ["SenderLoop", "GRACE_S"]
 
 log = logging.getLogger("lynx_transport")
 
@@ -82,38 +82,6 @@ _REJECT_ERRORS: dict[RejectReason, Callable[[str], TransportError]] = {
     RejectReason.POOL_EXHAUSTED: PoolExhaustedError,
     RejectReason.CLOSED: ClosedError,
 }
-
-
-class Peer:
-    """I/O-thread state of one connection: its receiver, streams, shaping and counters.
-
-    ``broken`` is written by the I/O thread only; any thread may read it.
-    """
-
-    def __init__(self, key: int, ctl: ControlSocket, eps: list[Any], address: tuple[str, int],
-                 shaper: Shaper, chunk_sums: bool) -> None:
-        self.key = key
-        self.ctl = ctl
-        self.eps = eps                  # one endpoint per receive rail (wire.rail_of)
-        self.address = address
-        self.shaper = shaper
-        self.chunk_sums = chunk_sums    # the receiver asked for CHUNK_SUMs
-        self.streams: dict[int, TxStream] = {}
-        self.counters = LaneCounters()
-        self.completed = 0
-        self.failed = 0
-        self.broken: TransportError | None = None
-
-
-@dataclasses.dataclass
-class TxStream:
-    handle: SendStream
-    peer: Peer
-    views: list[Any | None]
-    token: int | None = None
-    inflight: int = 0
-    cancelling: bool = False
-    supplied: list[int] = dataclasses.field(default_factory=list)  # in supply order
 
 
 class SenderLoop(IoLoop):

@@ -166,6 +166,42 @@ class _Legs:
             raise self._transport_error(leg, exc) from exc
 
 
+async def _forward(legs: _Legs, request: Request, endpoint: str) -> Response:
+    """One completion request through both legs: a 400 for a bad body, the leg's error as an
+    OpenAI-style body, or the decode leg's answer relayed as it comes."""
+    rid = request.headers.get("x-request-id") or str(uuid.uuid4())
+    times = RequestTimes(rid, endpoint, False, time.time())
+    try:
+        body = await request.json()
+    except ValueError:
+        return _bad_request(rid, "the request body is not JSON")
+    if not isinstance(body, dict):
+        return _bad_request(rid, "the request body must be a JSON object")
+    times.stream = bool(body.get("stream"))
+    try:
+        codec = client_codec(body).over(legs.config.codec)
+    except ConnectorError as exc:
+        return _bad_request(rid, f"kv_transfer_params.lynx: {exc}")
+    headers = {"X-Request-Id": rid}
+    if "authorization" in request.headers:
+        headers["Authorization"] = request.headers["authorization"]
+    try:
+        params = await legs.prefill(endpoint, prefill_body(body), headers, times)
+        response = await legs.open_decode(endpoint, decode_body(body, params, codec), headers, times)
+    except LegError as exc:
+        times.error, times.failed_leg, times.status = str(exc), exc.leg, exc.status
+        legs.done(times)
+        return JSONResponse(exc.body(), status_code=exc.status, headers={"X-Request-Id": rid})
+    except BaseException as exc:  # recorded, then up to uvicorn (a cancel: the client went away)
+        times.error = ("cancelled: the client went away" if isinstance(exc, asyncio.CancelledError)
+                       else f"{type(exc).__name__}: {exc}")
+        legs.done(times)
+        raise
+    times.status = response.status_code
+    return StreamingResponse(legs.relay(response, times), status_code=response.status_code,
+                             media_type=response.headers.get("content-type"), headers={"X-Request-Id": rid})
+
+
 def create_app(config: ProxyConfig, *, stats: StatsLog | None = None) -> FastAPI:
     """The proxy as an ASGI app (serve it with uvicorn; its lifespan opens the legs' clients).
     ``stats``: where request records go (default: a ring of ``config.stats_ring`` and
@@ -182,46 +218,13 @@ def create_app(config: ProxyConfig, *, stats: StatsLog | None = None) -> FastAPI
     app.state.stats = legs.stats
     app.state.config = config
 
-    async def run(request: Request, endpoint: str) -> Response:
-        rid = request.headers.get("x-request-id") or str(uuid.uuid4())
-        times = RequestTimes(rid, endpoint, False, time.time())
-        try:
-            body = await request.json()
-        except ValueError:
-            return _bad_request(rid, "the request body is not JSON")
-        if not isinstance(body, dict):
-            return _bad_request(rid, "the request body must be a JSON object")
-        times.stream = bool(body.get("stream"))
-        try:
-            codec = client_codec(body).over(config.codec)
-        except ConnectorError as exc:
-            return _bad_request(rid, f"kv_transfer_params.lynx: {exc}")
-        headers = {"X-Request-Id": rid}
-        if "authorization" in request.headers:
-            headers["Authorization"] = request.headers["authorization"]
-        try:
-            params = await legs.prefill(endpoint, prefill_body(body), headers, times)
-            response = await legs.open_decode(endpoint, decode_body(body, params, codec), headers, times)
-        except LegError as exc:
-            times.error, times.failed_leg, times.status = str(exc), exc.leg, exc.status
-            legs.done(times)
-            return JSONResponse(exc.body(), status_code=exc.status, headers={"X-Request-Id": rid})
-        except BaseException as exc:  # recorded, then up to uvicorn (a cancel: the client went away)
-            times.error = ("cancelled: the client went away" if isinstance(exc, asyncio.CancelledError)
-                           else f"{type(exc).__name__}: {exc}")
-            legs.done(times)
-            raise
-        times.status = response.status_code
-        return StreamingResponse(legs.relay(response, times), status_code=response.status_code,
-                                 media_type=response.headers.get("content-type"), headers={"X-Request-Id": rid})
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await run(request, "/v1/completions")
+        return await _forward(legs, request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await run(request, "/v1/chat/completions")
+        return await _forward(legs, request, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -14,10 +14,10 @@ import pytest
 
 from lynx_bench.accuracy.workload import filler_prose, passkey_prompt
 from lynx_decode.codec.config import Scheme
+from lynx_decode.decode_config import MissingFull
 from lynx_decode.decode_node import DecodeNode
 from lynx_decode.errors import DecodeError, PromptError
 from lynx_decode.events import Committed, Event, Tentative, Unverified
-from lynx_decode.speculative import MissingFull
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import LynxError
 

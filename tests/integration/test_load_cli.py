@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx_bench.load.logic import REQUEST_FIELDS, SUMMARY_FIELDS
+from lynx_bench.load.results import REQUEST_FIELDS, SUMMARY_FIELDS
 
 LYNX = [sys.executable, "-m", "lynx_bench.cli"]
 

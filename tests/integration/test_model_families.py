@@ -200,8 +200,9 @@ def test_drafts_rolled_back_inside_a_window_still_commit_int8s_tokens(arch: str,
     in one pass, rolls the rejected drafts back inside the window, and goes on."""
     import concurrent.futures as cf
 
+    from lynx_decode.decode_config import CacheLevel, DecodeConfig
     from lynx_decode.events import Rollback, Tentative
-    from lynx_decode.speculative import CacheLevel, DecodeConfig, generate
+    from lynx_decode.speculative import generate
 
     model = models[arch]
     assert model.info.sliding
@@ -240,8 +241,9 @@ def test_each_layer_on_the_finest_level_in_still_commits_int8s_tokens(planes: tu
     reaches it: the first token is final, no verify pass."""
     import concurrent.futures as cf
 
+    from lynx_decode.decode_config import CacheLevel, DecodeConfig
     from lynx_decode.events import Committed, Rollback
-    from lynx_decode.speculative import CacheLevel, DecodeConfig, decode_events
+    from lynx_decode.speculative import decode_events
     from tests._speculative_helpers import Landing, LandsWith, check_events
 
     model = models["llama"]

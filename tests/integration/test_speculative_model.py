@@ -22,9 +22,10 @@ import threading
 import numpy as np
 import pytest
 
+from lynx_decode.decode_config import DecodeConfig, ready
 from lynx_decode.events import Committed, Done, Event, Rollback, Tentative
 from lynx_decode.model import HFCausalLM, KVBuffers, Prefill
-from lynx_decode.speculative import DecodeConfig, decode_events, generate, ready
+from lynx_decode.speculative import decode_events, generate
 from tests._speculative_helpers import LandsWhenAwaited
 
 from .test_model import TEXT, load_model

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from lynx_bench.vllm.bench import Server  # one server process, as the benchmark runs it
+from lynx_bench.vllm.bench_servers import Server  # one server process, as the benchmark runs it
 from lynx_bench.vllm.driver import free_port, numba_cache_env
 from tests import _tiny_models
 

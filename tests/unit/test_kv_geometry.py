@@ -14,7 +14,9 @@ import pytest
 from lynx_decode.codec import decode_layer, encode_layer
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import DecodeError, LayoutError
-from lynx_decode.kvstream import KVAssembler, KVHeader, cache_bytes, send_cache, warm_up_codec
+from lynx_decode.kvassembler import KVAssembler
+from lynx_decode.kvheader import KVHeader, cache_bytes
+from lynx_decode.kvsend import send_cache, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers, KVShape
 from lynx_decode.model.geometry import LayerGeometry
 from lynx_decode.model.protocol import ModelInfo, Prefill

@@ -10,7 +10,7 @@ import pytest
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.codec.layout import CacheLayout, LayerLayout
 from lynx_decode.errors import DecodeError, LayoutError
-from lynx_decode.kvstream import KVHeader, region_name
+from lynx_decode.kvheader import KVHeader, region_name
 from lynx_decode.model.protocol import ModelInfo
 from lynx_decode.request import KVRequest, error_reply, parse_error_reply
 from lynx_transport import Lane

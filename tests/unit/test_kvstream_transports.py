@@ -19,8 +19,9 @@ import pytest
 from lynx_decode.codec import decode_layer, encode_layer
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import CodecError, DecodeError
+from lynx_decode.kvassembler import KVAssembler
 from lynx_decode.kvencode import EncodedCache, encode_cache
-from lynx_decode.kvstream import KVAssembler, send_cache, warm_up_codec
+from lynx_decode.kvsend import send_cache, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.protocol import ModelInfo, Prefill
 from lynx_transport import Lane, ReceivePool, ReceiveStream, StreamState, TransportConfig

@@ -1,4 +1,4 @@
-"""`lynx load`'s pure logic (lynx_bench.load.logic): arrivals, rates, rows, percentiles,
+"""`lynx load`'s pure logic (lynx_bench.load.logic, .results, .report): arrivals, rates, rows, percentiles,
 the summary and load.json. No sockets, no processes."""
 
 from __future__ import annotations
@@ -12,32 +12,31 @@ import numpy as np
 import pytest
 
 from lynx_bench.load.logic import (
-    REQUEST_FIELDS,
-    SUMMARY_FIELDS,
     LoadConfig,
     ModelShape,
-    RequestRow,
-    Status,
     job_split,
     load_for_rate,
     lynx_split,
-    peak_egress_gbps,
-    percentile,
     poisson_arrivals,
     prompt_set,
     rate_for_load,
-    ratio_table,
-    read_load_json,
     request_bytes,
-    request_row,
     split_label,
+)
+from lynx_bench.load.report import ratio_table, read_load_json, summary_table, write_load_json
+from lynx_bench.load.results import (
+    REQUEST_FIELDS,
+    SUMMARY_FIELDS,
+    RequestRow,
+    Status,
+    peak_egress_gbps,
+    percentile,
+    request_row,
     summarize,
-    summary_table,
-    write_load_json,
 )
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.codec.layout import CacheLayout, LayerLayout
-from lynx_decode.kvstream import KVHeader
+from lynx_decode.kvheader import KVHeader
 from lynx_transport.errors import ConfigError
 
 SMOLLM2 = ModelShape(layers=30, kv_heads=3, head_dim=64, vocab=49152, max_positions=8192)

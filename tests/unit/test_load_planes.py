@@ -18,7 +18,10 @@ import pytest
 from lynx_bench import cli
 from lynx_bench.common.processes import ChildError
 from lynx_bench.load import cli as load_cli
-from lynx_bench.load.logic import DecodeMode, LoadConfig, ModelShape, job_split, request_bytes, summarize, summary_table
+from lynx_bench.load import phases as load_phases
+from lynx_bench.load.logic import DecodeMode, LoadConfig, ModelShape, job_split, request_bytes
+from lynx_bench.load.report import summary_table
+from lynx_bench.load.results import summarize
 from lynx_decode.codec.config import Scheme
 from lynx_transport.errors import ConfigError
 
@@ -108,7 +111,7 @@ def _fake_start(monkeypatch: pytest.MonkeyPatch, nodes: _FakeNodes) -> None:
     def start(*_: object) -> Iterator[_FakeNodes]:
         yield nodes
 
-    monkeypatch.setattr(load_cli, "_start", start)
+    monkeypatch.setattr(load_cli, "start_nodes", start)
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, config: LoadConfig,
@@ -185,7 +188,7 @@ def test_with_the_model_auto_is_left_to_each_decode_node(tmp_path: Path) -> None
     config = _config(tmp_path, context=512, bandwidth_gbps=10.0, decode=DecodeMode.MODEL)
     planes, note = load_cli.lynx_planes(config, sum(request_bytes(SMOLLM2, "int8", 512)))
     assert planes == "auto" and "chosen per request by each decode node" in note
-    job = load_cli._job("r", "lynx", 0, 0.0, config, None, planes)
+    job = load_phases.job("r", "lynx", 0, 0.0, config, None, planes)
     assert job["planes"] == "auto" and job_split(job) == (Scheme.LYNX, "auto")
     assert load_cli.scheme_names([], planes) == {"lynx": "lynx auto"}
     # the pool holds the largest stream of any split auto may choose

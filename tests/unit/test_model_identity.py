@@ -26,7 +26,8 @@ import pytest
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.decode_node import DecodeNode
 from lynx_decode.errors import DecodeError, LayoutError
-from lynx_decode.kvstream import KVHeader, send_cache, warm_up_codec
+from lynx_decode.kvheader import KVHeader
+from lynx_decode.kvsend import send_cache, warm_up_codec
 from lynx_decode.model.buffers import KVBuffers
 from lynx_decode.model.geometry import LayerGeometry
 from lynx_decode.model.identity import ModelFingerprint, cached_fingerprint

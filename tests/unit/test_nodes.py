@@ -21,7 +21,8 @@ from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.decode_node import DecodeNode
 from lynx_decode.errors import DecodeError, ServerBusyError
 from lynx_decode.events import Event, Tentative
-from lynx_decode.kvstream import cache_bytes, warm_up_codec
+from lynx_decode.kvheader import cache_bytes
+from lynx_decode.kvsend import warm_up_codec
 from lynx_decode.model.protocol import Prefill
 from lynx_decode.prefill_node import DEFAULT_PREPARE, PrefillNode
 from lynx_decode.timeouts import Timeouts

@@ -18,10 +18,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lynx_decode.decode_config import DecodeConfig, ready
 from lynx_decode.errors import DecodeError, PromptError
 from lynx_decode.events import Committed, Done, Event, Rollback, Tentative
 from lynx_decode.model import KVBuffers, KVShape
-from lynx_decode.speculative import DecodeConfig, decode_events, generate, ready
+from lynx_decode.speculative import decode_events, generate
 from tests._speculative_helpers import (
     EOS,
     STEP_S,
@@ -285,7 +286,7 @@ def test_model_failure_is_a_decode_error() -> None:
 
 def _never_arriving_full(model: ToyLM, ids: list[int], policy, fail_after: int | None):
     """Drive a run whose full cache fails after ``fail_after`` drafts (None: never arrives)."""
-    from lynx_decode.speculative import DecodeConfig as Config
+    from lynx_decode.decode_config import DecodeConfig as Config
 
     kv = model.prefill(ids).kv
     draft_kv = offset(kv, 3.0)
@@ -301,8 +302,8 @@ def _never_arriving_full(model: ToyLM, ids: list[int], policy, fail_after: int |
 
 @pytest.mark.parametrize("fail_after", [2, None])
 def test_missing_residual_can_finish_on_the_anchor_marked_unverified(fail_after) -> None:
+    from lynx_decode.decode_config import MissingFull
     from lynx_decode.events import Unverified
-    from lynx_decode.speculative import MissingFull
 
     model = ToyLM(eos=False)
     ids = list(range(1, 30))
@@ -320,7 +321,7 @@ def test_missing_residual_can_finish_on_the_anchor_marked_unverified(fail_after)
 
 @pytest.mark.parametrize("fail_after", [2, None])
 def test_missing_residual_fails_by_default_within_the_bound(fail_after) -> None:
-    from lynx_decode.speculative import MissingFull
+    from lynx_decode.decode_config import MissingFull
 
     model = ToyLM(eos=False)
     with pytest.raises(DecodeError, match="full KV cache (failed|did not arrive within 0.05 s)"):

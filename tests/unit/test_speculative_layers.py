@@ -18,10 +18,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lynx_decode.decode_config import CacheLevel, DecodeConfig
 from lynx_decode.errors import DecodeError
 from lynx_decode.events import Committed, Event, Rollback, Tentative
 from lynx_decode.model import KVBuffers, ModelInfo, Prefill
-from lynx_decode.speculative import CacheLevel, DecodeConfig, decode_events
+from lynx_decode.speculative import decode_events
 from tests._speculative_helpers import EOS, VOCAB, Landing, LandsWith, check_events, greedy_reference
 
 

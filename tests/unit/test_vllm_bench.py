@@ -155,7 +155,7 @@ def test_a_rate_is_held_by_tc_on_the_namespace_link_and_no_rate_is_loopback() ->
 
 
 def test_nixl_servers_use_ucx_over_tcp_only_on_the_links_veth() -> None:
-    from lynx_bench.vllm.bench import NIXL_EXTRA, nixl_env
+    from lynx_bench.vllm.bench_session import NIXL_EXTRA, nixl_env
 
     env = nixl_env("127.0.0.1", 5601, None)
     assert env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
@@ -165,7 +165,7 @@ def test_nixl_servers_use_ucx_over_tcp_only_on_the_links_veth() -> None:
 
 
 def test_on_loopback_every_role_runs_here_at_127_0_0_1() -> None:
-    from lynx_bench.vllm.bench import Hosts
+    from lynx_bench.vllm.bench_servers import Hosts
 
     hosts = Hosts(None)
     try:
