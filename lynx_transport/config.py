@@ -109,6 +109,15 @@ class TransportConfig:
         I/O thread runs rail 0); an int in ``[1, MAX_RAILS]``, default 2. Over
         ``cma`` the receiver's progress does the copy, so two rails copy on two
         cores. Senders make one endpoint per rail (listed in WELCOME).
+    send_before_accept:
+        Sender side (default on): a stream's chunks leave right behind its
+        manifest (``OPEN_SENT``), with no wait for the receiver's ACCEPT, to a
+        receiver that takes that (every wire-2 receiver, for manifests up to its
+        limit). They wait in UCX until the receiver has carved its pool and
+        posted their receives. A stream that waits for pool space
+        (``pool_wait_s``) holds its chunks in the sender's in-flight window
+        meanwhile. Off: every stream waits for its ACCEPT, one control round trip
+        before the first byte.
 
     The measurements behind these defaults: docs/design.md, "Measured facts".
     """
@@ -129,6 +138,7 @@ class TransportConfig:
     verify_chunks: bool = False
     thread_nice: int = 0
     rails: int = 2
+    send_before_accept: bool = True
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:

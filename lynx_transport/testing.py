@@ -158,6 +158,7 @@ def _timings(stream: Any) -> dict[str, Any]:
     opened = stream.opened_at
     return {
         "stream_id": stream.stream_id,
+        "opened_at": opened,  # time.monotonic(): one clock for every process of the host
         "state": stream.state.value,
         "error": None if stream.exception() is None else
         f"{type(stream.exception()).__name__}: {stream.exception()}",

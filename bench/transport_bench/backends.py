@@ -12,14 +12,20 @@ round, the same every round:
    group right before the raw ucxx group from the same buffer), ``asyncio_tcp``,
    ``ucx_perftest``, ``lynx_tcp``;
 2. latency: per size of :data:`~lynx_bench.transport_bench.runner.LATENCY_SIZES`,
-   ``lynx`` then ``lynx_tcp``;
+   ``lynx`` then ``lynx_tcp`` (each also timing its one-way ``*_oneway`` entry), then
+   ``ucx_perftest``'s ``tag_lat``;
 3. each peer backend still able to run, in :meth:`PeerBackends.names` order.
 """
 
 from __future__ import annotations
 
 from lynx_bench.transport_bench import baselines as base
-from lynx_bench.transport_bench.baseline_runs import AsyncioTcpThroughput, UcxPerftest, UcxxThroughput
+from lynx_bench.transport_bench.baseline_runs import (
+    AsyncioTcpThroughput,
+    UcxPerftest,
+    UcxPerftestLatency,
+    UcxxThroughput,
+)
 from lynx_bench.transport_bench.lynx_runs import LynxLatency, LynxPaths, LynxThroughput
 from lynx_bench.transport_bench.peer_runs import PeerBackends, PeerRun
 from lynx_bench.transport_bench.peers.engines import Engine
@@ -68,8 +74,10 @@ class Backends:
                         UcxxThroughput("ucxx" + suffix, self.raw, self.ucxx_peer, seed)]
         runners += [AsyncioTcpThroughput(self.tcp), UcxPerftest(),
                     LynxThroughput("lynx_tcp", lynx_tcp, UNTOUCHED)]
-        runners += [LynxLatency(name, peer, size) for size in LATENCY_SIZES
-                    for name, peer in self.lynx.peers.items()]
+        for size in LATENCY_SIZES:
+            runners += [LynxLatency(name, peer, size, self.lynx.landed[name])
+                        for name, peer in self.lynx.peers.items()]
+            runners.append(UcxPerftestLatency(size))
         runners += [PeerRun(name, self.peers) for name in self.peers.names()]
         return runners
 

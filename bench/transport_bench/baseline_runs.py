@@ -6,7 +6,8 @@ Each is a :class:`~lynx_bench.transport_bench.runner.Runner` over a connection t
 
 * :class:`UcxxThroughput` - raw ucxx tagged messages from an untouched or a written buffer;
 * :class:`AsyncioTcpThroughput` - plain asyncio TCP messages (a written buffer);
-* :class:`UcxPerftest` - one ``ucx_perftest -t tag_bw`` run, its own two processes.
+* :class:`UcxPerftest` - one ``ucx_perftest -t tag_bw`` run, its own two processes;
+* :class:`UcxPerftestLatency` - one ``ucx_perftest -t tag_lat`` run per message size.
 
 Every group of timed messages (and ``ucx_perftest``'s timed iterations) follows
 ``WARM_UP_S`` of the same sends.
@@ -17,11 +18,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lynx_bench.transport_bench.baselines import RawUcxxSender, TcpSender, ucx_perftest_gbps
+from lynx_bench.transport_bench.baselines import (
+    RawUcxxSender,
+    TcpSender,
+    ucx_perftest_gbps,
+    ucx_perftest_latency_us,
+)
 from lynx_bench.transport_bench.peers.engines import WARM_UP_S, timed
 from lynx_bench.transport_bench.runner import Plan, Record
 
-__all__ = ["AsyncioTcpThroughput", "UcxPerftest", "UcxxThroughput"]
+__all__ = ["AsyncioTcpThroughput", "UcxPerftest", "UcxPerftestLatency", "UcxxThroughput"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,3 +68,18 @@ class UcxPerftest:
         warmup = max(1, round(WARM_UP_S * 10e9 / plan.nbytes))
         gbps = ucx_perftest_gbps(plan.nbytes, max(plan.messages, 5) * 2, plan.tls, warmup=warmup)
         return Record(perftest_gbps=[gbps])
+
+
+@dataclasses.dataclass(frozen=True)
+class UcxPerftestLatency:
+    """One ``ucx_perftest -t tag_lat`` run at ``size``: ``plan.latency_messages`` ping-pongs
+    after as many untimed ones; its 50th percentile of half a round trip (the physical limit
+    of one tagged message on the default UCX path)."""
+
+    size: int
+    phase: str = "latency"
+
+    def run(self, plan: Plan) -> Record:
+        n = max(plan.latency_messages, 5)
+        us = ucx_perftest_latency_us(self.size, n, plan.tls, warmup=n)
+        return Record(perftest_latency_us={self.size: [us]})

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
 __all__ = ["RawUcxxSender", "TcpSender", "raw_ucxx_receiver", "raw_ucxx_send", "tcp_receiver", "tcp_send",
-           "ucx_perftest_gbps"]
+           "ucx_perftest_gbps", "ucx_perftest_latency_us"]
 
 
 # -- raw ucxx ------------------------------------------------------------------------------
@@ -171,6 +171,22 @@ def ucx_perftest_gbps(nbytes: int, iterations: int, tls: str, timeout: float = 1
                       warmup: int = 1) -> float:
     """``ucx_perftest -t tag_bw`` between two processes on loopback, ``warmup`` untimed
     iterations first; decimal Gbit/s."""
+    # columns: iterations, 3 x overhead (us), bandwidth average, overall (MB/s = 2^20 B/s)
+    fields = _perftest("tag_bw", nbytes, iterations, tls, timeout, warmup)
+    return float(fields[5]) * (1 << 20) * 8 / 1e9
+
+
+def ucx_perftest_latency_us(nbytes: int, iterations: int, tls: str, timeout: float = 120.0,
+                            warmup: int = 1) -> float:
+    """``ucx_perftest -t tag_lat`` (a ping-pong) between two processes on loopback: its own
+    50th percentile of half a round trip, one message's one-way time, in microseconds."""
+    # columns: iterations, latency 50th percentile, average, overall (us), then bandwidth
+    return float(_perftest("tag_lat", nbytes, iterations, tls, timeout, warmup)[1])
+
+
+def _perftest(test: str, nbytes: int, iterations: int, tls: str, timeout: float,
+              warmup: int) -> list[str]:
+    """The ``Final:`` line's fields of one ``ucx_perftest -t test`` run."""
     found = perftest_binary()
     if found is None:
         raise FileNotFoundError("ucx_perftest is not in the libucx wheel")
@@ -181,7 +197,7 @@ def ucx_perftest_gbps(nbytes: int, iterations: int, tls: str, timeout: float = 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["-t", "tag_bw", "-s", str(nbytes), "-n", str(iterations), "-w", str(warmup),
+    args = ["-t", test, "-s", str(nbytes), "-n", str(iterations), "-w", str(warmup),
             "-p", str(port)]
     server = subprocess.Popen([str(binary), *args], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -192,9 +208,7 @@ def ucx_perftest_gbps(nbytes: int, iterations: int, tls: str, timeout: float = 1
                                     text=True, timeout=max(1.0, deadline - time.monotonic()))
             final = re.search(r"^Final:\s+(.*)$", client.stdout, re.M)
             if final:
-                # columns: iterations, 3 x overhead (us), bandwidth average, overall (MB/s = 2^20 B/s)
-                fields = final.group(1).split()
-                return float(fields[5]) * (1 << 20) * 8 / 1e9
+                return final.group(1).split()
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError(f"ucx_perftest failed: {client.stdout[-500:]} {client.stderr[-500:]}")
             time.sleep(0.2)

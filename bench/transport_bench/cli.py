@@ -29,10 +29,15 @@ its fields and ratios are null.
 
 ``latency`` - per backend, per message size (64 KiB and 1 MiB: an anchor lane
 is latency-bound), ``median_us`` and ``p99_us`` per message over all rounds;
-Lynx's is a whole stream on the anchor lane (``send_stream`` -> the receiver's
-STREAM_DONE, the manifest round trip included), the peers' one write each.
+``lynx``/``lynx_tcp`` are a whole stream on the anchor lane (``send_stream`` ->
+the sender hears the receiver's STREAM_DONE), ``lynx_oneway``/``lynx_tcp_oneway``
+the same streams from ``send_stream`` to the receiver's ``on_region`` callback
+(one monotonic clock for both processes), ``ucx_perftest`` its ``tag_lat``
+50th percentile (half a ping-pong; no p99), the peers' one write each.
 ``lynx_p99_64k_vs_best_peer`` (and ``lynx_tcp_...``) divide Lynx's 64 KiB P99
-by the lowest peer P99 on the same path.
+by the lowest peer P99 on the same path; ``lynx_oneway_64k_vs_ucx_perftest``,
+``lynx_tcp_oneway_64k_vs_mooncake_tcp`` and ``lynx_oneway_1m_vs_nixl_polling``
+divide the one-way medians.
 
 ``ucx_perftest`` never writes its send buffer: over cma (the default path on one
 host) its receiver copies from the kernel's shared zero page, which stays in
@@ -190,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
             "nixl_written_gbps", "nixl_progress_thread_written_gbps", "nixl_polling_written_gbps",
             "lynx_vs_nixl", "lynx_written_vs_nixl_written", "lynx_tcp_vs_nixl_tcp", "lynx_tcp_vs_mooncake_tcp",
             "lynx_p99_64k_vs_best_peer", "lynx_tcp_p99_64k_vs_best_peer",
-            "anchor_under_load_ratio", "shaping_error", "shaping_error_tcp"]
+            "anchor_under_load_ratio", "shaping_error", "shaping_error_tcp",
+            "lynx_oneway_64k_median_us", "lynx_oneway_64k_p99_us", "lynx_oneway_64k_vs_ucx_perftest",
+            "lynx_tcp_oneway_64k_vs_mooncake_tcp", "lynx_oneway_1m_vs_nixl_polling"]
     for key in keys:
         target = TARGETS.get(key)
         met = result["targets_met"].get(key)
@@ -207,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
             *((f"{name} (data path)", sizes) for name, sizes in d["lynx_data_path_latency"].items())]
     for name, sizes in rows:
         print(f"latency {name:<26} " + ", ".join(
-            f"{int(size) >> 10} KiB median {s['median_us']} us P99 {s['p99_us']} us"
+            f"{int(size) >> 10} KiB median {s['median_us']} us P99 "
+            f"{'-' if s['p99_us'] is None else s['p99_us']} us"
             for size, s in sizes.items()))
     print(f"(messages of {d['message_bytes']} B, UCX_TLS={d['ucx_tls']}, error handling: "
           f"{d['ucx_error_handling']}; Lynx: {d['chunk_bytes']} B chunks, "

@@ -9,7 +9,9 @@ Its runners (:class:`~lynx_bench.transport_bench.runner.Runner`):
   untouched or a written buffer, timed from the first chunk handed to UCX to the
   receiver's STREAM_DONE (``data_s``; ``total_s`` from ``send_stream()`` on,
   the manifest round trip included, for ``lynx_end_to_end_gbps``);
-* :class:`LynxLatency` - streams of one region on the anchor lane, both timings.
+* :class:`LynxLatency` - streams of one region on the anchor lane, both timings, and the
+  one-way time: the sender's ``send_stream()`` call to the receiver's ``on_region``
+  callback for that region (both ``time.monotonic()``, one clock for the host's processes).
 
 After the rounds, :meth:`LynxPaths.after_rounds` takes the lanes' statistics and
 runs the shaped measurements: :func:`anchor_under_load` and :func:`shaping`.
@@ -78,13 +80,27 @@ class LynxLatency:
     name: str
     peer: PeerProcess
     size: int
+    landed: dict[int, float]  # stream id -> when its region's callback ran (LynxPaths.landed)
     phase: str = "latency"
 
     def run(self, plan: Plan) -> Record:
         specs = [("anchor", self.size, Lane.ANCHOR, UNTOUCHED)]
+        self.landed.clear()  # the throughput streams' (all finished)
         got = timed(lambda: send_stream(self.peer, specs), plan.latency_messages, WARM_UP_S)
-        return Record(latency_s={self.name: {self.size: [r["total_s"] for r in got]}},
+        oneway = [self.callback_at(r["stream_id"]) - r["opened_at"] for r in got]
+        return Record(latency_s={self.name: {self.size: [r["total_s"] for r in got]},
+                                 f"{self.name}_oneway": {self.size: oneway}},
                       data_latency_s={self.name: {self.size: [r["data_s"] for r in got]}})
+
+    def callback_at(self, stream_id: int) -> float:
+        """When the region callback of ``stream_id`` ran (the callback thread may run it
+        just after the sender heard STREAM_DONE)."""
+        deadline = time.monotonic() + 10.0
+        while stream_id not in self.landed:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"lynx stream {stream_id}: no region callback")
+            time.sleep(1e-4)
+        return self.landed.pop(stream_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +163,19 @@ class LynxPaths:
         tcp_config = dataclasses.replace(config, ucx_tls=TCP_TLS)
         pool_bytes = max(3 * nbytes, 128 * MiB, *(shaped_bytes(g, chunk) + chunk for g in rates))
         self.config = config
-        self.rx = Receiver(ReceivePool(pool_bytes), config=config,
+        #: per path, stream id -> time.monotonic() of its (last) region callback
+        self.landed: dict[str, dict[int, float]] = {"lynx": {}, "lynx_tcp": {}}
+
+        def on_region(path: str) -> Callable[[Any, Any], None]:
+            landed = self.landed[path]
+            return lambda stream, _region: landed.__setitem__(stream.stream_id, time.monotonic())
+
+        self.rx = Receiver(ReceivePool(pool_bytes), config=config, on_region=on_region("lynx"),
                            on_stream_complete=lambda s: s.release())
         self.rx_tcp = Receiver(
             ReceivePool(max(nbytes, *(shaped_bytes(g, chunk) + chunk for g in rates)) + 2 * MiB),
-            config=tcp_config, on_stream_complete=lambda s: s.release())
+            config=tcp_config, on_region=on_region("lynx_tcp"),
+            on_stream_complete=lambda s: s.release())
         self.peers = {"lynx": PeerProcess(sender_server, self.rx.address, config),
                       "lynx_tcp": PeerProcess(sender_server, self.rx_tcp.address, tcp_config)}
 

@@ -41,6 +41,18 @@ def _latency(latency_s: dict[str, dict[int, list[float]]]) -> dict[str, dict[str
             for name, sizes in latency_s.items()}
 
 
+def _perftest_latency(record: Record, plan: Plan) -> dict[str, dict[str, Any]]:
+    """``ucx_perftest``'s latency entry: the median of its runs' own 50th percentiles; it
+    reports no tail, so ``p99_us`` is null."""
+    if not record.perftest_latency_us:
+        return {}
+    per_run = max(plan.latency_messages, 5)
+    return {"ucx_perftest": {str(size): {"messages": per_run * len(runs),
+                                         "median_us": round(statistics.median(runs), 1),
+                                         "p99_us": None}
+                             for size, runs in record.perftest_latency_us.items()}}
+
+
 def _throughput(times: dict[str, list[float]], nbytes: int,
                 perftest_gbps: list[float]) -> dict[str, Any]:
     """The throughput fields, ``lynx_gbps`` to ``mooncake_tcp_gbps``, in the JSON's order."""
@@ -95,7 +107,12 @@ def _details(record: Record, after: LynxAfterRounds, plan: Plan, config: Transpo
                        "Mooncake: transfer_sync_write()",
         "peer_configs": {**{n: c.described for n, c in {**NIXL, **NIXL_TCP}.items()},
                          MOONCAKE_TCP: MOONCAKE_CONFIG},
-        "latency_timing": "lynx, lynx_tcp: one stream of one region on the anchor lane, "
+        "latency_timing": "lynx_oneway, lynx_tcp_oneway: one stream of one region on the "
+                          "anchor lane, the sender's send_stream() call -> the receiver's "
+                          "on_region callback (time.monotonic() in both processes); "
+                          "ucx_perftest: tag_lat's own 50th percentile of half a ping-pong "
+                          "(no p99: it reports none); "
+                          "lynx, lynx_tcp: the same streams, "
                           "send_stream() -> receiver's STREAM_DONE; peers: one write",
         "lynx_data_path_latency": _latency(record.data_latency_s),
         "lynx_data_path_latency_timing": "the same streams, first chunk handed to UCX -> "
@@ -129,6 +146,19 @@ def _add_ratios(result: dict[str, Any], lynx_gbps: float) -> None:
     result["lynx_tcp_vs_mooncake_tcp"] = _ratio(result["lynx_tcp_gbps"], result["mooncake_tcp_gbps"])
     result["lynx_p99_64k_vs_best_peer"] = p99_vs_best("lynx", list(NIXL))
     result["lynx_tcp_p99_64k_vs_best_peer"] = p99_vs_best("lynx_tcp", [*NIXL_TCP, MOONCAKE_TCP])
+
+    def median(name: str, size: int) -> float | None:
+        return lat.get(name, {}).get(str(size), {}).get("median_us")
+
+    small, big = LATENCY_SIZES
+    result["lynx_oneway_64k_median_us"] = median("lynx_oneway", small)
+    result["lynx_oneway_64k_p99_us"] = lat.get("lynx_oneway", {}).get(str(small), {}).get("p99_us")
+    result["lynx_oneway_64k_vs_ucx_perftest"] = _ratio(median("lynx_oneway", small),
+                                                       median("ucx_perftest", small))
+    result["lynx_tcp_oneway_64k_vs_mooncake_tcp"] = _ratio(median("lynx_tcp_oneway", small),
+                                                           median(MOONCAKE_TCP, small))
+    result["lynx_oneway_1m_vs_nixl_polling"] = _ratio(median("lynx_oneway", big),
+                                                      median("nixl_polling", big))
     result["targets_met"] = targets_met(result)
 
 
@@ -142,7 +172,7 @@ def summarize(record: Record, after: LynxAfterRounds, plan: Plan, config: Transp
         "anchor_under_load_ratio": round(statistics.median(after.anchor_ratios), 4),
         "shaping_error": max(e["error"] for e in after.shaping["lynx"].values()),
         "shaping_error_tcp": max(e["error"] for e in after.shaping["lynx_tcp"].values()),
-        "latency": _latency(record.latency_s),
+        "latency": {**_latency(record.latency_s), **_perftest_latency(record, plan)},
         "skipped": skipped,
         "details": _details(record, after, plan, config, link_gbps),
     }

@@ -15,7 +15,10 @@ __all__ = ["TARGETS", "targets_met"]
 #: messages, anchor_under_load_ratio <= 1.1, shaping_error <= 0.05 on both
 #: transports; against the peer engines (issue 18) >= 1.0x NIXL (its faster
 #: configuration) on both paths and Mooncake TE over TCP, and a 64 KiB P99 no
-#: worse than the best peer's on the same path. A target whose peer was skipped
+#: worse than the best peer's on the same path; one-way per stream (issue 24): a 64 KiB
+#: stream's median <= 60 us and P99 <= 250 us, <= 3x ucx_perftest's tag latency, over tcp
+#: no slower than Mooncake's write, and a 1 MiB stream <= 2x NIXL's (polling) write.
+#: A target whose peer was skipped
 #: is null in ``targets_met``, never counted as met.
 TARGETS = {
     "lynx_vs_ucx_perftest": (">=", 0.9),
@@ -28,6 +31,11 @@ TARGETS = {
     "lynx_tcp_vs_mooncake_tcp": (">=", 1.0),
     "lynx_p99_64k_vs_best_peer": ("<=", 1.0),
     "lynx_tcp_p99_64k_vs_best_peer": ("<=", 1.0),
+    "lynx_oneway_64k_median_us": ("<=", 60.0),
+    "lynx_oneway_64k_p99_us": ("<=", 250.0),
+    "lynx_oneway_64k_vs_ucx_perftest": ("<=", 3.0),
+    "lynx_tcp_oneway_64k_vs_mooncake_tcp": ("<=", 1.0),
+    "lynx_oneway_1m_vs_nixl_polling": ("<=", 2.0),
 }
 
 

@@ -21,6 +21,7 @@ import struct
 from lynx_transport.errors import ManifestError
 from lynx_transport.lanes import MAX_LANES
 from lynx_transport.protocol.scheduler import chunk_count
+from lynx_transport.protocol.wire import CHUNK_BITS
 
 __all__ = ["RegionSpec", "Manifest", "ManifestLimits", "encode_manifest", "decode_manifest"]
 
@@ -39,7 +40,12 @@ class ManifestLimits:
     max_name_bytes: int = 256
     max_metadata_bytes: int = 64 * 1024
     max_total_bytes: int = 1 << 40
-    max_chunks: int = 1 << 20
+    max_chunks: int = 1 << CHUNK_BITS
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_chunks <= 1 << CHUNK_BITS:
+            raise ValueError(f"max_chunks must be in [1, {1 << CHUNK_BITS}] (a chunk's index is "
+                             f"the low {CHUNK_BITS} bits of its UCX tag), got {self.max_chunks}")
 
     @property
     def max_encoded_bytes(self) -> int:

@@ -5,11 +5,15 @@ Every control message travels as one frame::
     magic  b"LYNX"  4 bytes
     version         u8   (must be WIRE_VERSION)
     type            u8   (a FrameType)
-    flags           u16  (must be 0 in version 1)
+    flags           u16  (must be 0)
     length          u32  payload bytes that follow
 
 Bulk data never travels in frames: it goes over UCX tagged messages straight
-into the receive pool (see :mod:`lynx_transport.ucx.receiver`).
+into the receive pool (see :mod:`lynx_transport.ucx.receiver`). A chunk's tag is
+:func:`chunk_tag` of its stream's token and its index; the token is
+:func:`stream_token` of the connection's key (from WELCOME) and the stream id, so
+a sender knows every tag before the receiver answers, and sends a stream's chunks
+right behind its ``OPEN_SENT`` (no round trip before the first byte).
 
 :class:`FrameDecoder` is incremental and bounded: the header is checked before
 any payload is buffered, and a payload longer than ``max_payload`` is never
@@ -36,10 +40,11 @@ __all__ = [
     "pack_rate", "unpack_rate", "pack_welcome", "unpack_welcome",
     "NONCE_BYTES", "MAC_BYTES", "HelloFlags", "WelcomeFlags", "pack_hello", "unpack_hello",
     "pack_challenge", "unpack_challenge", "unpack_proof", "pack_chunk_sum", "unpack_chunk_sum",
+    "CHUNK_BITS", "CONN_KEY_BITS", "stream_token", "conn_key_of", "chunk_tag",
 ]
 
 WIRE_MAGIC = b"LYNX"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 HEADER = struct.Struct("!4sBBHI")
 #: Bytes of an oversized frame's payload that are kept (enough for a stream id).
 OVERSIZED_PREFIX = 8
@@ -47,6 +52,31 @@ MAX_TEXT = 1024
 MAX_ADDRESS = 64 * 1024
 #: Most receive rails (UCX workers) a receiver announces.
 MAX_RAILS = 8
+
+
+#: Low bits of a UCX tag: the chunk's index in its stream (``ManifestLimits.max_chunks`` fits).
+CHUNK_BITS = 20
+#: Bits of a connection's key (random, unique among the receiver's live connections).
+CONN_KEY_BITS = 24
+#: Bits of a stream id in its token: ids are unique and increasing per connection, so
+#: two live streams of one connection share a token only 2**20 streams apart.
+_STREAM_BITS = 64 - CHUNK_BITS - CONN_KEY_BITS
+
+
+def stream_token(conn_key: int, stream_id: int) -> int:
+    """The token of stream ``stream_id`` on the connection keyed ``conn_key``: the high
+    bits of every tag of its chunks (:func:`chunk_tag`)."""
+    return (conn_key << _STREAM_BITS) | (stream_id & ((1 << _STREAM_BITS) - 1))
+
+
+def conn_key_of(token: int) -> int:
+    """The connection key a token was made from (:func:`stream_token`)."""
+    return token >> _STREAM_BITS
+
+
+def chunk_tag(token: int, index: int) -> int:
+    """The UCX tag of chunk ``index`` of the stream with ``token``."""
+    return (token << CHUNK_BITS) | index
 
 
 def rail_of(chunk_index: int, rails: int) -> int:
@@ -75,6 +105,7 @@ class FrameType(enum.IntEnum):
     DENIED = 15        # R->S  authentication refused (text); the receiver then closes
     CHUNK_SUM = 16     # S->R  stream id, chunk index, length, CRC32 of one chunk
     LANE_GO = 17       # R->S  stream id, lane: start sending a lane the sender holds
+    OPEN_SENT = 18     # S->R  a stream manifest whose chunks follow at once (no ACCEPT awaited)
 
 
 class HelloFlags(enum.IntFlag):
@@ -154,7 +185,7 @@ class FrameDecoder:
             except ValueError:
                 raise ProtocolError(f"unknown frame type {ftype}") from None
             if flags != 0:
-                raise ProtocolError(f"frame flags must be 0 in wire version 1, got {flags:#x}")
+                raise ProtocolError(f"frame flags must be 0 in wire version {WIRE_VERSION}, got {flags:#x}")
             if length > self.max_payload:
                 if kind is not FrameType.OPEN:
                     raise ProtocolError(f"{kind.name} frame of {length} bytes exceeds the "
@@ -176,7 +207,7 @@ class FrameDecoder:
 # -- small payloads ---------------------------------------------------------------
 _U64 = struct.Struct("!Q")
 _STREAM_LANE = struct.Struct("!QB")
-_STREAM_TOKEN = struct.Struct("!QI")
+_STREAM_TOKEN = struct.Struct("!QQ")
 _RATE = struct.Struct("!dQ")
 _STREAM_CODE = struct.Struct("!QBH")
 
@@ -208,7 +239,10 @@ def pack_stream_token(stream_id: int, token: int) -> bytes:
 
 
 def unpack_stream_token(payload: bytes) -> tuple[int, int]:
-    return _exact(_STREAM_TOKEN, payload, "ACCEPT")
+    sid, token = _exact(_STREAM_TOKEN, payload, "ACCEPT")
+    if token >> (64 - CHUNK_BITS):
+        raise ProtocolError(f"ACCEPT token {token:#x} leaves no bits for the chunk index")
+    return sid, token
 
 
 def pack_stream_text(stream_id: int, code: int, text: str) -> bytes:
@@ -239,10 +273,18 @@ def unpack_rate(payload: bytes) -> tuple[float, int]:
 _ADDRESS_LEN = struct.Struct("!H")
 
 
+_KEYS = struct.Struct("!II")
+
+
 def pack_welcome(addresses: bytes | Sequence[bytes], gbps: float, burst_bytes: int,
-                 flags: WelcomeFlags = WelcomeFlags.NONE) -> bytes:
-    """WELCOME: flags, requested rate, then the receiver's UCX worker address or,
-    with several (``RAILS``), a count and length-prefixed addresses."""
+                 flags: WelcomeFlags = WelcomeFlags.NONE, conn_key: int = 0,
+                 max_open: int = 0) -> bytes:
+    """WELCOME: flags, requested rate, the connection's key (:func:`stream_token`) and the
+    largest ``OPEN_SENT`` payload taken (0: none, every stream waits for its ACCEPT), then
+    the receiver's UCX worker address or, with several (``RAILS``), a count and
+    length-prefixed addresses."""
+    if not 0 <= conn_key < 1 << CONN_KEY_BITS:
+        raise ProtocolError(f"a connection key has {CONN_KEY_BITS} bits, got {conn_key:#x}")
     addrs = [addresses] if isinstance(addresses, bytes) else list(addresses)
     if not 1 <= len(addrs) <= MAX_RAILS:
         raise ProtocolError(f"a WELCOME carries 1..{MAX_RAILS} worker addresses, got {len(addrs)}")
@@ -251,21 +293,24 @@ def pack_welcome(addresses: bytes | Sequence[bytes], gbps: float, burst_bytes: i
     else:
         flags |= WelcomeFlags.RAILS
         body = bytes([len(addrs)]) + b"".join(_ADDRESS_LEN.pack(len(a)) + a for a in addrs)
-    return bytes([int(flags)]) + _RATE.pack(gbps, burst_bytes) + body
+    return bytes([int(flags)]) + _RATE.pack(gbps, burst_bytes) + _KEYS.pack(conn_key, max_open) + body
 
 
-def unpack_welcome(payload: bytes) -> tuple[tuple[bytes, ...], float, int, WelcomeFlags]:
-    """``(worker addresses, gbps, burst, flags)``; every length is checked."""
-    head = 1 + _RATE.size
+def unpack_welcome(payload: bytes) -> tuple[tuple[bytes, ...], float, int, WelcomeFlags, int, int]:
+    """``(worker addresses, gbps, burst, flags, conn_key, max_open)``; every length is checked."""
+    head = 1 + _RATE.size + _KEYS.size
     if len(payload) < head + 1 or len(payload) > head + MAX_ADDRESS:
         raise ProtocolError(f"WELCOME payload of {len(payload)} bytes is out of range")
     if payload[0] & ~int(WelcomeFlags.CHUNK_SUMS | WelcomeFlags.RAILS):
         raise ProtocolError(f"unknown WELCOME flags {payload[0]:#x}")
     flags = WelcomeFlags(payload[0])
-    gbps, burst = unpack_rate(payload[1:head])
+    gbps, burst = unpack_rate(payload[1:1 + _RATE.size])
+    conn_key, max_open = _KEYS.unpack_from(payload, 1 + _RATE.size)
+    if conn_key >> CONN_KEY_BITS:
+        raise ProtocolError(f"WELCOME connection key {conn_key:#x} has more than {CONN_KEY_BITS} bits")
     body = payload[head:]
     if not flags & WelcomeFlags.RAILS:
-        return (body,), gbps, burst, flags
+        return (body,), gbps, burst, flags, conn_key, max_open
     n, pos, addrs = body[0], 1, []
     if not 2 <= n <= MAX_RAILS:
         raise ProtocolError(f"WELCOME lists {n} worker addresses (2..{MAX_RAILS} with RAILS)")
@@ -280,7 +325,7 @@ def unpack_welcome(payload: bytes) -> tuple[tuple[bytes, ...], float, int, Welco
         pos += length
     if pos != len(body):
         raise ProtocolError("trailing bytes after the WELCOME address list")
-    return tuple(addrs), gbps, burst, flags
+    return tuple(addrs), gbps, burst, flags, conn_key, max_open
 
 
 # -- handshake (see lynx_transport.protocol.auth) -------------------------------------

@@ -191,8 +191,8 @@ class Connection:
         self.close()
 
 
-def _handshake(sock: socket.socket, deadline: float, clock: Clock,
-               secret: bytes | None) -> tuple[tuple[bytes, ...], Rate | None, WelcomeFlags]:
+def _handshake(sock: socket.socket, deadline: float, clock: Clock, secret: bytes | None
+               ) -> tuple[tuple[bytes, ...], Rate | None, WelcomeFlags, int, int]:
     """HELLO -> [CHALLENGE -> PROOF ->] WELCOME; see :mod:`lynx_transport.protocol.auth`."""
     nonce_s = secrets.token_bytes(NONCE_BYTES)
     flags = HelloFlags.AUTH if secret is not None else HelloFlags.NONE
@@ -229,8 +229,8 @@ def _handshake(sock: socket.socket, deadline: float, clock: Clock,
                 # never hand an unauthenticated worker address to UCX
                 raise AuthenticationError("the receiver did not authenticate (it has no shared "
                                           "secret configured); refusing its worker address")
-            addresses, gbps, burst, wflags = unpack_welcome(frame.payload)
-            return addresses, (Rate(gbps, burst) if gbps > 0 else None), wflags
+            addresses, gbps, burst, wflags, conn_key, max_open = unpack_welcome(frame.payload)
+            return addresses, (Rate(gbps, burst) if gbps > 0 else None), wflags, conn_key, max_open
 
 
 def open_control(address: tuple[str, int], timeout: float) -> socket.socket:
@@ -252,14 +252,15 @@ def attach(loop: SenderLoop, sock: socket.socket, address: tuple[str, int], time
     """
     try:
         deadline = clock.now() + timeout
-        ucx_addresses, peer_rate, wflags = _handshake(sock, deadline, clock, config.secret)
+        ucx_addresses, peer_rate, wflags, conn_key, max_open = _handshake(sock, deadline, clock,
+                                                                          config.secret)
         shaper = (Shaper(clock, config.link_rate, dict(config.lane_rates)) if owns_loop
                   else Shaper(clock))
         shaper.set_peer_rate(peer_rate)
         chunk_sums = bool(wflags & WelcomeFlags.CHUNK_SUMS)
 
         def add() -> Peer:
-            return loop.add_peer(sock, ucx_addresses, shaper, chunk_sums)
+            return loop.add_peer(sock, ucx_addresses, shaper, chunk_sums, conn_key, max_open)
 
         peer = add() if owns_loop else loop.run(add, timeout)
     except BaseException as exc:

@@ -31,7 +31,7 @@ all take a timeout.
 
 Data path: the sender reaches this process's UCX worker through the address
 sent in WELCOME; for every chunk the receiver posts a tagged receive on a view
-of the pool (tag = stream token << 32 | chunk index), so bytes land in place
+of the pool (tag = `wire.chunk_tag(stream token, chunk index)`), so bytes land in place
 with no intermediate copy. The control channel (TCP, bound to 127.0.0.1 unless
 told otherwise) carries manifests, confirmations and heartbeats; a closed socket
 or ``peer_timeout_s`` of silence fails that peer's streams with

@@ -21,7 +21,6 @@ from typing import Any
 
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
-    AuthenticationError,
     ClosedError,
     ConnectError,
     ManifestError,
@@ -31,7 +30,6 @@ from lynx_transport.errors import (
     StreamFailedError,
     TransportError,
 )
-from lynx_transport.protocol import auth
 from lynx_transport.protocol.admission import AdmissionQueue, Admit, Wait
 from lynx_transport.protocol.clock import Clock
 from lynx_transport.protocol.manifest import Manifest, decode_manifest
@@ -42,22 +40,21 @@ from lynx_transport.protocol.wire import (
     FrameType,
     OversizedFrame,
     RejectReason,
-    WelcomeFlags,
     pack_rate,
     pack_stream_lane,
     pack_stream_text,
     pack_stream_token,
-    pack_welcome,
-    unpack_chunk_sum,
+    stream_token,
     unpack_stream_text,
     unpack_u64,
 )
 from lynx_transport.receive_stream import ReceivedRegion, ReceiveStream
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
-from lynx_transport.ucx import adapter
+from lynx_transport.ucx import adapter, receiver_handshake
 from lynx_transport.ucx.control import ControlSocket
 from lynx_transport.ucx.loop import IoLoop
+from lynx_transport.ucx.receiver_drain import Drains
 from lynx_transport.ucx.receiver_quarantine import Quarantine
 from lynx_transport.ucx.receiver_rail import RailLoop, cancel_receives, post_receives
 from lynx_transport.ucx.receiver_state import RxPeer, RxStream
@@ -111,6 +108,7 @@ class RxLoop(IoLoop):
         self.counters = LaneCounters()
         self.streams = RxStreams(pool, clock, post, self.cb, self.quarantine, self.counters)
         self.max_payload = config.manifest_limits.max_encoded_bytes
+        self.drains = Drains(self.worker, self.rails, self.quarantine, clock)
         try:
             for i in range(1, config.rails):
                 self.rails.append(RailLoop(i, self.wake, config.ucx_tls, clock, init,
@@ -164,6 +162,14 @@ class RxLoop(IoLoop):
             log.warning("dropping control connection from %s: %s", conn.ctl.peer, exc)
         for rx in list(conn.streams.values()):
             self.streams.fail(rx, exc, StreamState.FAILED)
+        for _, peer, manifest in list(self.waiting.entries):
+            if peer is conn:
+                self.drains.start(conn, manifest.stream_id, manifest)
+        self.waiting.discard(conn)
+        for sid in list(conn.draining):
+            self.drains.end(conn, sid)
+        if conn.key:
+            self.quarantine.free_key(conn.key)
         try:
             self.selector.unregister(conn.ctl.sock)
         except (KeyError, ValueError):
@@ -179,7 +185,7 @@ class RxLoop(IoLoop):
 
     def on_frame(self, conn: RxPeer, frame: Frame | OversizedFrame) -> None:
         if not conn.hello:
-            self.on_handshake(conn, frame)
+            receiver_handshake.on_handshake(self, conn, frame)
             return
         if isinstance(frame, OversizedFrame):
             sid = int.from_bytes(frame.prefix[:8].ljust(8, b"\0"), "big")
@@ -187,10 +193,11 @@ class RxLoop(IoLoop):
                         f"manifest of {frame.length} bytes exceeds the {self.max_payload}-byte limit")
             return
         t = frame.type
-        if t is FrameType.OPEN:
-            self.on_open(conn, frame.payload)
+        if t is FrameType.OPEN or t is FrameType.OPEN_SENT:
+            self.on_open(conn, frame.payload, sent=t is FrameType.OPEN_SENT)
         elif t is FrameType.CANCEL:
             sid = unpack_u64(frame.payload, "CANCEL")
+            self.drains.end(conn, sid)
             self.waiting.discard(conn, sid)
             rx = conn.streams.get(sid)
             if rx is not None:
@@ -206,7 +213,7 @@ class RxLoop(IoLoop):
         elif t is FrameType.CHUNK_SUM:
             if not self.config.verify_chunks:
                 raise ProtocolError("CHUNK_SUM from a sender that was not asked for checksums")
-            self.on_chunk_sum(conn, frame.payload)
+            self.streams.on_chunk_sum(conn, frame.payload)
         elif t is FrameType.HEARTBEAT:
             pass
         elif t is FrameType.GOODBYE:
@@ -214,41 +221,12 @@ class RxLoop(IoLoop):
         else:
             raise ProtocolError(f"unexpected {t.name} frame from a sender")
 
-    def on_handshake(self, conn: RxPeer, frame: Frame | OversizedFrame) -> None:
-        """HELLO [-> CHALLENGE, PROOF] -> WELCOME; see :mod:`lynx_transport.protocol.auth`."""
-        step = auth.receiver_step(self.config.secret, conn.challenge, frame)
-        if step.deny is not None:
-            self.deny(conn, step.deny)
-        elif step.challenge is not None:
-            conn.challenge = step.challenge
-            self.send(conn, FrameType.CHALLENGE, step.challenge_payload)
-        else:
-            conn.challenge = None
-            self.welcome(conn)
-
-    def welcome(self, conn: RxPeer) -> None:
-        conn.hello = True
-        conn.ctl.limit(self.max_payload)
-        rate = self.requested_rate
-        flags = WelcomeFlags.CHUNK_SUMS if self.config.verify_chunks else WelcomeFlags.NONE
-        addresses = [self.worker.address] + [rail.worker.address for rail in self.rails]
-        self.send(conn, FrameType.WELCOME, pack_welcome(
-            addresses, rate.gbps if rate else 0.0, rate.burst_bytes if rate else 0, flags))
-        # only now: the heartbeat thread must not put a HEARTBEAT before the WELCOME
-        if self.heartbeats is not None:
-            self.heartbeats.add(conn.ctl)
-
-    def deny(self, conn: RxPeer, why: str) -> None:
-        """Refuse an unauthenticated peer: logged with its address, told why, disconnected."""
-        log.warning("refused connection from %s: authentication failed (%s)", conn.ctl.peer, why)
-        try:
-            self.send(conn, FrameType.DENIED, pack_stream_text(0, 0, why))
-        except TransportError:
-            pass
-        self.drop_conn(conn, AuthenticationError(f"peer {conn.ctl.peer}: {why}"), quiet=True)
-
-    def reject(self, conn: RxPeer, sid: int, reason: RejectReason, text: str) -> None:
+    def reject(self, conn: RxPeer, sid: int, reason: RejectReason, text: str,
+               drain: Manifest | bytes | None = None) -> None:
+        """Refuse stream ``sid``; one whose chunks are on their way (``OPEN_SENT``) has them
+        drained (``drain``: its manifest, or the payload to read it from; :mod:`.receiver_drain`)."""
         log.warning("rejected stream %d from %s: %s", sid, conn.ctl.peer, text)
+        self.drains.start(conn, sid, drain)
         self.send(conn, FrameType.REJECT, pack_stream_text(sid, reason, text))
 
     def request_rate(self, rate: Rate | None) -> None:
@@ -262,13 +240,22 @@ class RxLoop(IoLoop):
                 except TransportError as exc:
                     self.drop_conn(conn, exc)
 
-    def on_open(self, conn: RxPeer, payload: bytes) -> None:
+    def on_open(self, conn: RxPeer, payload: bytes, sent: bool = False) -> None:
+        """OPEN, or OPEN_SENT (``sent``: the chunks are on their way with tags of the
+        connection's key; they wait in UCX until admission posts their receives)."""
         limits = self.config.manifest_limits
         sid = int.from_bytes(payload[:8].ljust(8, b"\0"), "big")
+        duplicate = (sid in conn.streams or self.waiting.holds(conn, sid) or sid in conn.sent
+                     or sid in conn.draining)
+        if sent:
+            if duplicate or self.quarantine.in_use(stream_token(conn.key, sid)):
+                # two streams' chunks under one tag cannot be told apart
+                raise ProtocolError(f"OPEN_SENT for stream {sid}, whose tags are still in use")
+            conn.sent.add(sid)
         try:
             manifest = decode_manifest(payload, limits)
         except ManifestError as exc:
-            self.reject(conn, sid, RejectReason.MANIFEST, str(exc))
+            self.reject(conn, sid, RejectReason.MANIFEST, str(exc), payload)
             return
         if sid in conn.streams:
             self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already active")
@@ -291,7 +278,7 @@ class RxLoop(IoLoop):
                     self.admit(conn, manifest, decision.offsets)
                 else:
                     self.reject(conn, manifest.stream_id, RejectReason.POOL_EXHAUSTED,
-                                str(decision.error))
+                                str(decision.error), manifest)
             except TransportError as err:
                 self.drop_conn(conn, err)
         return None
@@ -300,24 +287,37 @@ class RxLoop(IoLoop):
         sid = manifest.stream_id
         regions = tuple(ReceivedRegion(r.name, r.lane, r.nbytes, off)
                         for r, off in zip(manifest.regions, offsets))
+        token = stream_token(conn.key, sid)
+        self.quarantine.take_token(token)
+        conn.sent.discard(sid)
         handle = ReceiveStream(manifest, regions, self.pool, conn.ctl.peer, self.release)
-        rx = RxStream(handle, self.quarantine.alloc_token(), conn)
+        rx = RxStream(handle, token, conn)
         conn.streams[sid] = rx
         handle._abandon = lambda reason, timeout: self.run(lambda: self.streams.abandon(rx, reason),
                                                            timeout)
         handle._go = lambda lane, timeout: self.run(lambda: self.lane_go(rx, lane), timeout)
-        self.post(self.cb["on_stream_open"], handle)
-        self.opened(handle)
+        # the receives and the ACCEPT first, the callback thread after: waking it earlier
+        # has it take the GIL while this thread still posts (the chunks may be waiting)
         try:
             post_receives(self.worker, self.rails, self.pool, rx, manifest, regions)
         except TransportError as exc:
+            self.announce(handle)
             self.streams.fail(rx, exc, StreamState.FAILED, tell_peer=True)
             return
         handle._completion.activate()
         for lane in manifest.lanes:
             self.counters.started(lane, self.clock.now())
         self.send(conn, FrameType.ACCEPT, pack_stream_token(sid, rx.token))
+        self.announce(handle)
+        for index, nbytes, crc in conn.early_sums.pop(sid, ()):
+            self.streams.add_sum(rx, index, nbytes, crc)
         self.streams.finish_empty(rx)
+
+    def announce(self, handle: ReceiveStream) -> None:
+        """An admitted stream goes to ``on_stream_open`` and ``next_stream`` (before any
+        other callback of it)."""
+        self.post(self.cb["on_stream_open"], handle)
+        self.opened(handle)
 
     def lane_go(self, rx: RxStream, lane: int) -> None:
         """``ReceiveStream.release_lane``: let the sender send a lane it holds."""
@@ -327,22 +327,6 @@ class RxLoop(IoLoop):
             self.send(rx.conn, FrameType.LANE_GO, pack_stream_lane(rx.handle.stream_id, lane))
         except TransportError as exc:  # the stream fails with the connection
             self.drop_conn(rx.conn, exc)
-
-    def on_chunk_sum(self, conn: RxPeer, payload: bytes) -> None:
-        sid, index, nbytes, crc = unpack_chunk_sum(payload)
-        rx = conn.streams.get(sid)
-        if rx is None:
-            if sid in conn.completed_ids:
-                raise ProtocolError(f"duplicate CHUNK_SUM for chunk {index} of stream {sid}, "
-                                    "which already completed")
-            return  # the stream already failed or was cancelled: a late sum is harmless
-        try:
-            p = rx.add_sum(index, nbytes, crc)
-        except ProtocolError as exc:
-            self.streams.fail(rx, exc, StreamState.FAILED, tell_peer=True)
-            return
-        if p is not None and self.streams.verify_chunk(rx, p):
-            self.streams.chunk_landed(rx, p, self.clock.now())
 
     # -- the loop body ------------------------------------------------------------------------
     def step(self) -> tuple[bool, bool, float | None]:

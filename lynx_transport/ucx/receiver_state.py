@@ -131,5 +131,13 @@ class RxPeer:
         self.hello = False          # True once WELCOME went out (authenticated if required)
         self.challenge: tuple[bytes, bytes] | None = None  # (nonce_s, nonce_r) awaiting PROOF
         self.streams: dict[int, RxStream] = {}
+        self.key = 0                # the connection key of its tokens (WELCOME; wire.stream_token)
+        #: Streams announced with OPEN_SENT (their chunks are on their way) not yet admitted,
+        #: and CHUNK_SUMs that came for them meanwhile.
+        self.sent: set[int] = set()
+        self.early_sums: dict[int, list[tuple[int, int, int]]] = {}
+        #: Refused OPEN_SENT streams whose chunks are received into scratch memory until the
+        #: sender's CANCEL says none is left: id -> (token, (rail, request) receives, scratch).
+        self.draining: dict[int, tuple[int, list[tuple[int, Any]], Any]] = {}
         # ids of recently completed streams: a CHUNK_SUM for one is a duplicate
         self.completed_ids: collections.deque[int] = collections.deque(maxlen=COMPLETED_MEMORY)

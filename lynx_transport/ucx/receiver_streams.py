@@ -4,7 +4,8 @@
 (:mod:`lynx_transport.ucx.receiver_loop`): it accounts each chunk whose bytes
 are in place (verified against the sender's CRC32 when ``verify_chunks``),
 completes regions, lanes and the stream (``LANE_DONE``, ``STREAM_DONE`` and the
-callbacks), and fails a stream (its blocks, receives and token go to the
+callbacks), takes the sender's CHUNK_SUMs (kept for a stream not admitted yet
+whose chunks are on their way), and fails a stream (its blocks, receives and token go to the
 quarantine, ``STREAM_FAILED`` to the peer when asked). The loop owns the
 connections; this class only writes frames on a stream's own one.
 """
@@ -17,11 +18,17 @@ from typing import Any
 from lynx_transport.errors import ProtocolError, StreamCancelledError, TransportError
 from lynx_transport.protocol.clock import Clock
 from lynx_transport.protocol.pool import ReceivePool
-from lynx_transport.protocol.wire import FrameType, pack_stream_lane, pack_stream_text, pack_u64
+from lynx_transport.protocol.wire import (
+    FrameType,
+    pack_stream_lane,
+    pack_stream_text,
+    pack_u64,
+    unpack_chunk_sum,
+)
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters
 from lynx_transport.ucx.receiver_quarantine import Quarantine
-from lynx_transport.ucx.receiver_state import PostedChunk, RxStream
+from lynx_transport.ucx.receiver_state import PostedChunk, RxPeer, RxStream
 
 __all__ = ["RxStreams"]
 
@@ -130,3 +137,24 @@ class RxStreams:
         except ProtocolError as exc:
             self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
             return False
+
+    def on_chunk_sum(self, conn: RxPeer, payload: bytes) -> None:
+        sid, index, nbytes, crc = unpack_chunk_sum(payload)
+        rx = conn.streams.get(sid)
+        if rx is None:
+            if sid in conn.completed_ids:
+                raise ProtocolError(f"duplicate CHUNK_SUM for chunk {index} of stream {sid}, "
+                                    "which already completed")
+            if sid in conn.sent:  # its chunks came before admission: kept until then
+                conn.early_sums.setdefault(sid, []).append((index, nbytes, crc))
+            return  # the stream already failed or was cancelled: a late sum is harmless
+        self.add_sum(rx, index, nbytes, crc)
+
+    def add_sum(self, rx: RxStream, index: int, nbytes: int, crc: int) -> None:
+        try:
+            p = rx.add_sum(index, nbytes, crc)
+        except ProtocolError as exc:
+            self.fail(rx, exc, StreamState.FAILED, tell_peer=True)
+            return
+        if p is not None and self.verify_chunk(rx, p):
+            self.chunk_landed(rx, p, self.clock.now())

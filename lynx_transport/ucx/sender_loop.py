@@ -28,15 +28,13 @@ import logging
 import selectors
 import socket
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import (
     ClosedError,
-    ManifestError,
     PeerDisconnectedError,
-    PoolExhaustedError,
     ProtocolError,
     StreamCancelledError,
     StreamFailedError,
@@ -51,20 +49,16 @@ from lynx_transport.protocol.wire import (
     Frame,
     FrameType,
     OversizedFrame,
-    RejectReason,
+    chunk_tag,
     pack_chunk_sum,
     pack_u64,
     rail_of,
-    unpack_rate,
-    unpack_stream_lane,
-    unpack_stream_text,
-    unpack_stream_token,
-    unpack_u64,
+    stream_token,
 )
 from lynx_transport.send_stream import SendStream
 from lynx_transport.state import StreamState
 from lynx_transport.stats import LaneCounters, TransportStats
-from lynx_transport.ucx import adapter
+from lynx_transport.ucx import adapter, sender_frames
 from lynx_transport.ucx.adapter import UcxWorker
 from lynx_transport.ucx.control import ControlSocket
 from lynx_transport.ucx.loop import IoLoop
@@ -77,13 +71,6 @@ log = logging.getLogger("lynx_transport")
 #: A broken peer's UCX requests and endpoints are dropped this long after the break.
 GRACE_S = 0.2
 
-_REJECT_ERRORS: dict[RejectReason, Callable[[str], TransportError]] = {
-    RejectReason.MANIFEST: ManifestError,
-    RejectReason.POOL_EXHAUSTED: PoolExhaustedError,
-    RejectReason.CLOSED: ClosedError,
-}
-
-
 class SenderLoop(IoLoop):
     """The I/O thread of one egress. ``link``/``lanes``: the egress's own shaping."""
 
@@ -93,6 +80,7 @@ class SenderLoop(IoLoop):
                          heartbeat_s=config.heartbeat_interval_s)
         self.heartbeat_s = config.heartbeat_interval_s
         self.peer_timeout_s = config.peer_timeout_s
+        self.send_before_accept = config.send_before_accept
         self.shaper = Shaper(clock, link, lanes)
         self.sched = PriorityScheduler(clock, chunk_bytes=config.chunk_bytes,
                                        max_inflight_bytes=config.max_inflight_bytes,
@@ -110,12 +98,14 @@ class SenderLoop(IoLoop):
 
     # -- peers ----------------------------------------------------------------------------
     def add_peer(self, sock: socket.socket, addresses: Sequence[bytes], shaper: Shaper,
-                 chunk_sums: bool) -> Peer:
-        """Take over a welcomed control socket; reach the receiver's workers (``addresses``)."""
+                 chunk_sums: bool, conn_key: int = 0, max_open: int = 0) -> Peer:
+        """Take over a welcomed control socket; reach the receiver's workers (``addresses``).
+        ``conn_key``, ``max_open``: the WELCOME's (streams up to ``max_open`` manifest bytes
+        are sent without waiting for their ACCEPT)."""
         eps = [self.worker.endpoint(address) for address in addresses]
         host, port = sock.getpeername()[:2]
         peer = Peer(next(self._peer_keys), ControlSocket(sock, 1 << 16, self.clock.now()), eps,
-                    (host, port), shaper, chunk_sums)
+                    (host, port), shaper, chunk_sums, conn_key, max_open)
         self.peers[peer.key] = peer
         self.sched.add_peer(peer.key, shaper)
         assert self.heartbeats is not None  # made with heartbeat_s
@@ -174,75 +164,28 @@ class SenderLoop(IoLoop):
             self.break_peer(peer, exc)
 
     def on_frame(self, peer: Peer, frame: Frame) -> None:
-        t = frame.type
-        if t is FrameType.ACCEPT:
-            sid, token = unpack_stream_token(frame.payload)
-            tx = peer.streams.get(sid)
-            if tx is None or tx.token is not None:
-                return  # cancelled meanwhile, or a duplicate
-            tx.token = token
-            tx.handle._completion.activate()
-            for i in tx.supplied:  # within a lane: first supplied, first sent
-                self.queue_region(tx, i)
-        elif t is FrameType.REJECT:
-            sid, code, text = unpack_stream_text(frame.payload)
-            tx = peer.streams.get(sid)
-            if tx is not None:
-                try:
-                    cls = _REJECT_ERRORS[RejectReason(code)]
-                except (ValueError, KeyError):
-                    cls = StreamFailedError
-                self.fail(tx, cls(f"receiver refused stream {sid}: {text}"), StreamState.FAILED)
-        elif t is FrameType.LANE_DONE:
-            sid, lane = unpack_stream_lane(frame.payload)
-            tx = peer.streams.get(sid)
-            if tx is not None:
-                if lane not in tx.handle.manifest.lanes:
-                    raise ProtocolError(f"LANE_DONE for lane {lane}, which stream {sid} does not use")
-                if not tx.handle._completion.lane_done(lane, self.clock.now()):
-                    raise ProtocolError(f"duplicate LANE_DONE for lane {lane} of stream {sid}")
-        elif t is FrameType.LANE_GO:
-            sid, lane = unpack_stream_lane(frame.payload, "LANE_GO")
-            tx = peer.streams.get(sid)
-            if tx is not None:
-                if lane not in tx.handle.manifest.lanes:
-                    raise ProtocolError(f"LANE_GO for lane {lane}, which stream {sid} does not use")
-                self.release_lane(tx, lane)
-        elif t is FrameType.STREAM_DONE:
-            tx = peer.streams.get(unpack_u64(frame.payload, "STREAM_DONE"))
-            if tx is not None and tx.handle._completion.finish(StreamState.COMPLETED, self.clock.now()):
-                peer.completed += 1
-                self.completed += 1
-                self.forget(tx)
-                # every byte is at the receiver: stop holding the caller's buffers
-                # (a failed stream keeps them until its UCX requests are dropped)
-                tx.views = [None] * len(tx.views)
-        elif t is FrameType.STREAM_FAILED:
-            sid, _, text = unpack_stream_text(frame.payload)
-            tx = peer.streams.get(sid)
-            if tx is not None:
-                self.fail(tx, StreamFailedError(f"receiver failed stream {sid}: {text}"),
-                          StreamState.FAILED)
-        elif t is FrameType.RATE:  # the receiver's cap: for this peer only
-            gbps, burst = unpack_rate(frame.payload)
-            peer.shaper.set_peer_rate(Rate(gbps, burst) if gbps > 0 else None)
-        elif t is FrameType.HEARTBEAT:
-            pass
-        elif t is FrameType.GOODBYE:
-            self.break_peer(peer, PeerDisconnectedError("the receiver closed the connection"))
-        else:
-            raise ProtocolError(f"unexpected {t.name} frame from a receiver")
+        sender_frames.on_frame(self, peer, frame)
 
     # -- streams ------------------------------------------------------------------------
     def open(self, peer: Peer, handle: SendStream, payload: bytes, views: list[Any | None]) -> None:
         if peer.broken is not None:
             raise peer.broken
-        tx = TxStream(handle, peer, views, supplied=[i for i, v in enumerate(views) if v is not None])
+        sid = handle.stream_id
+        sent = self.send_before_accept and 0 < len(payload) <= peer.max_open
+        token = stream_token(peer.conn_key, sid) if sent else None
+        if sent and any(other.token == token for other in peer.streams.values()):
+            raise StreamFailedError(f"stream {sid}'s tags are still used by a live stream "
+                                    "(2**20 streams earlier); wait for it to finish")
+        tx = TxStream(handle, peer, views, token, sent,
+                      supplied=[i for i, v in enumerate(views) if v is not None])
         handle._supply = lambda i, buf: self.supply(tx, i, buf)
         handle._cancel = lambda: self.cancel(tx)
         handle._release_lane = lambda lane: self.release_lane(tx, lane)
-        peer.streams[handle.stream_id] = tx
-        peer.ctl.send(FrameType.OPEN, payload, self.clock.now())
+        peer.streams[sid] = tx
+        # OPEN_SENT: the chunks follow at once, no round trip before the first byte
+        peer.ctl.send(FrameType.OPEN_SENT if sent else FrameType.OPEN, payload, self.clock.now())
+        for i in tx.supplied if sent else ():
+            self.queue_region(tx, i)
 
     def supply(self, tx: TxStream, i: int, buffer: Any) -> None:
         if tx.handle.state.terminal:
@@ -345,7 +288,7 @@ class SenderLoop(IoLoop):
         peer = self.peers[chunk.peer]  # live: a broken peer's chunks left the scheduler
         tx = peer.streams[chunk.stream_id]
         region = tx.views[chunk.region]
-        assert region is not None and tx.token is not None  # scheduled once supplied and accepted
+        assert region is not None and tx.token is not None  # scheduled once supplied and its token known
         view = region[chunk.offset:chunk.offset + chunk.nbytes]
         peer.counters.started(chunk.lane, now)
         self.counters.started(chunk.lane, now)
@@ -355,7 +298,7 @@ class SenderLoop(IoLoop):
                     chunk.stream_id, chunk.index, chunk.nbytes, _crc32(view)), now)
             try:
                 req = self.worker.tag_send(peer.eps[rail_of(chunk.index, len(peer.eps))],
-                                           view, (tx.token << 32) | chunk.index)
+                                           view, chunk_tag(tx.token, chunk.index))
             except Exception as exc:
                 raise TransportError(f"UCX send failed: {exc}") from exc
         except TransportError as exc:

@@ -24,8 +24,10 @@ class Peer:
     """
 
     def __init__(self, key: int, ctl: ControlSocket, eps: list[Any], address: tuple[str, int],
-                 shaper: Shaper, chunk_sums: bool) -> None:
+                 shaper: Shaper, chunk_sums: bool, conn_key: int = 0, max_open: int = 0) -> None:
         self.key = key
+        self.conn_key = conn_key        # the receiver's key for this connection (wire.stream_token)
+        self.max_open = max_open        # largest OPEN_SENT payload it takes (0: none)
         self.ctl = ctl
         self.eps = eps                  # one endpoint per receive rail (wire.rail_of)
         self.address = address
@@ -43,7 +45,9 @@ class TxStream:
     handle: SendStream
     peer: Peer
     views: list[Any | None]
-    token: int | None = None
+    token: int | None = None        # known at open when ``sent``, else from ACCEPT
+    sent: bool = False              # opened with OPEN_SENT: chunks go before the ACCEPT
+    accepted: bool = False
     inflight: int = 0
     cancelling: bool = False
     supplied: list[int] = dataclasses.field(default_factory=list)  # in supply order

@@ -26,8 +26,9 @@ FIELDS = {
     Engine.NIXL: ["nixl_gbps", "nixl_progress_thread_gbps", "nixl_polling_gbps", "nixl_written_gbps",
                   "nixl_progress_thread_written_gbps", "nixl_polling_written_gbps", "nixl_tcp_gbps",
                   "nixl_tcp_progress_thread_gbps", "nixl_tcp_polling_gbps", "lynx_vs_nixl",
-                  "lynx_written_vs_nixl_written", "lynx_tcp_vs_nixl_tcp", "lynx_p99_64k_vs_best_peer"],
-    Engine.MOONCAKE: ["mooncake_tcp_gbps", "lynx_tcp_vs_mooncake_tcp"],
+                  "lynx_written_vs_nixl_written", "lynx_tcp_vs_nixl_tcp", "lynx_p99_64k_vs_best_peer",
+                  "lynx_oneway_1m_vs_nixl_polling"],
+    Engine.MOONCAKE: ["mooncake_tcp_gbps", "lynx_tcp_vs_mooncake_tcp", "lynx_tcp_oneway_64k_vs_mooncake_tcp"],
 }
 LATENCY = {Engine.NIXL: ["nixl_progress_thread", "nixl_polling", "nixl_tcp_progress_thread",
                          "nixl_tcp_polling"],
@@ -59,6 +60,13 @@ def test_quick_mode_with_each_installed_peer(tmp_path) -> None:
         for size in SIZES:
             whole, data = result["latency"][name][size], result["details"]["lynx_data_path_latency"][name][size]
             assert 0 < data["median_us"] <= whole["median_us"], (name, size)
+            oneway = result["latency"][f"{name}_oneway"][size]
+            assert oneway["messages"] == 10 and 0 < oneway["median_us"] <= oneway["p99_us"], (name, size)
+    for size in SIZES:  # the physical limit, measured in the same run (it reports no tail)
+        perftest = result["latency"]["ucx_perftest"][size]
+        assert _positive(perftest["median_us"]) and perftest["p99_us"] is None, perftest
+    for key in ["lynx_oneway_64k_median_us", "lynx_oneway_64k_p99_us", "lynx_oneway_64k_vs_ucx_perftest"]:
+        assert _positive(result[key]), key
     assert set(result["targets_met"]) == set(TARGETS)
 
     for engine in Engine:
@@ -74,7 +82,7 @@ def test_quick_mode_with_each_installed_peer(tmp_path) -> None:
                     assert 0 < lat["median_us"] <= lat["p99_us"], (name, size, lat)
         else:  # never dropped silently: null fields and the reason with the install hint
             assert "--install-peers" in result["skipped"][engine.value]
-            assert all(result[key] is None for key in FIELDS[engine] if not key.startswith("lynx_p99"))
+            assert all(result[key] is None for key in FIELDS[engine] if not key.startswith("lynx_p99")), engine
             assert not any(name in result["latency"] for name in LATENCY[engine])
     if Engine.NIXL in INSTALLED:
         assert result["nixl_config"] in ("progress_thread", "polling")

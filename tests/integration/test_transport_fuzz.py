@@ -130,7 +130,7 @@ def corpus() -> Corpus:
     to_s = tuple(f for f in FrameDecoder(1 << 20).feed(bytes(relay.to_sender)))
     kinds = {f.type for f in to_r + to_s}
     assert {FrameType.HELLO, FrameType.CHALLENGE, FrameType.PROOF, FrameType.WELCOME,
-            FrameType.OPEN, FrameType.ACCEPT, FrameType.CHUNK_SUM, FrameType.LANE_DONE,
+            FrameType.OPEN_SENT, FrameType.ACCEPT, FrameType.CHUNK_SUM, FrameType.LANE_DONE,
             FrameType.STREAM_DONE, FrameType.CANCEL} <= kinds, kinds
     return Corpus(to_r, to_s)
 
@@ -178,6 +178,7 @@ UNPACKERS = {
     FrameType.RATE: wire.unpack_rate, FrameType.CHUNK_SUM: wire.unpack_chunk_sum,
     FrameType.DENIED: wire.unpack_stream_text,
     FrameType.OPEN: lambda p: decode_manifest(p, LIMITS),
+    FrameType.OPEN_SENT: lambda p: decode_manifest(p, LIMITS),
 }
 
 
@@ -276,7 +277,7 @@ def send_data(raw: RawPeer, address: tuple[bytes, ...], tokens: dict[int, int],
                          wire.pack_chunk_sum(s, index, claimed, zlib.crc32(payload)))
             sent.setdefault((token, index), bytes(payload))
             try:
-                path.send((token << 32) | index, payload, timeout=2)
+                path.send(wire.chunk_tag(token, index), payload, timeout=2)
             except (LynxError, TimeoutError):
                 pass
 
@@ -323,7 +324,7 @@ def drive(corpus: Corpus, target: Target, data, sent: dict, tokens: dict) -> Non
             for frame in script:
                 raw.send_raw(frame)
             # a sentinel stream: its answer means every frame before it was handled
-            sentinel = corpus.of(FrameType.OPEN)[0]
+            sentinel = corpus.of(FrameType.OPEN_SENT)[0]  # the same manifest, sent as OPEN
             sid = (1 << 63) + 7
             raw.send(FrameType.OPEN, struct.pack("!Q", sid) + sentinel.payload[8:])
             answered = False

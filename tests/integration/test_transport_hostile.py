@@ -17,7 +17,7 @@ import pytest
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
 from lynx_transport.errors import ProtocolError
 from lynx_transport.protocol.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
-from lynx_transport.protocol.wire import FrameType, pack_chunk_sum, unpack_stream_token, unpack_welcome
+from lynx_transport.protocol.wire import FrameType, chunk_tag, pack_chunk_sum, unpack_stream_token, unpack_welcome
 from lynx_transport.testing import RawDataPath, RawPeer, pattern
 
 pytestmark = pytest.mark.ucx
@@ -64,7 +64,7 @@ def run_case(chunks, sums, nbytes: int = 2 * CHUNK, settle: float = 30.0) -> Out
                 for index, n, crc in sums:
                     raw.send(FrameType.CHUNK_SUM, pack_chunk_sum(1, index, n, crc))
                 for index, payload in chunks:
-                    data.send((token << 32) | index, payload)
+                    data.send(chunk_tag(token, index), payload)
                 try:
                     # until the stream ends (completed or failed), at most ``settle`` s; the
                     # raw peer sends no heartbeats, CONFIG.peer_timeout_s is well beyond that
@@ -158,7 +158,7 @@ def test_a_checksum_repeated_after_completion_breaks_the_connection() -> None:
             raw.send(FrameType.CHUNK_SUM, pack_chunk_sum(1, index, n, crc))
         with RawDataPath(address) as data:
             for index, payload in enumerate(parts):
-                data.send((token << 32) | index, payload)
+                data.send(chunk_tag(token, index), payload)
             stream.wait(30)
         raw.expect(FrameType.STREAM_DONE)
         raw.send(FrameType.CHUNK_SUM, pack_chunk_sum(1, 0, CHUNK, 0))

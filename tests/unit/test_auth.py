@@ -44,7 +44,7 @@ def test_handshake_payloads_round_trip_and_reject_bad_sizes_and_flags() -> None:
     with pytest.raises(ProtocolError, match="PROOF"):
         wire.unpack_proof(b"x" * 31)
     with pytest.raises(ProtocolError, match="WELCOME flags"):
-        wire.unpack_welcome(b"\x80" + wire.pack_rate(0.0, 0) + b"addr")
+        wire.unpack_welcome(b"\x80" + wire.pack_welcome(b"addr", 0.0, 0)[1:])
     assert wire.unpack_chunk_sum(wire.pack_chunk_sum(1, 2, 3, 4)) == (1, 2, 3, 4)
     with pytest.raises(ProtocolError, match="CHUNK_SUM"):
         wire.unpack_chunk_sum(b"\x00" * 19)
@@ -121,7 +121,7 @@ def test_a_heartbeat_before_the_welcome_is_a_sign_of_life_not_an_error() -> None
     thread.start()
     try:
         clock = MonotonicClock()
-        addresses, rate, _ = _handshake(ours, clock.now() + 10.0, clock, None)
+        addresses, rate, *_ = _handshake(ours, clock.now() + 10.0, clock, None)
         assert addresses == (b"addr",) and rate is None
     finally:
         thread.join(5)

@@ -156,6 +156,7 @@ class RoguePrefill:
         self.transport, self.craft = transport, craft
         self.sent: list[Any] = []
         self.errors: list[BaseException] = []
+        self.conns: list[Any] = []
         self._listener = transport.listen(ReceivePool(1 << 20), callbacks=ReceiverCallbacks(
             on_stream_complete=self._on_request))
         self.address = self._listener.address
@@ -168,11 +169,16 @@ class RoguePrefill:
     def _answer(self, request: KVRequest) -> None:
         try:
             conn = self.transport.connect(request.reply_to, timeout=5)
+            self.conns.append(conn)
             self.sent.append(self.craft(conn, request))
         except BaseException as exc:
             self.errors.append(exc)
 
     def close(self) -> None:
+        """The listener and every connection it answered on (each an egress with the
+        transport's thread behind it: none outlives the test)."""
+        for conn in self.conns:
+            conn.close()
         self._listener.close()
 
 

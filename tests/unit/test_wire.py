@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from lynx_transport.errors import ProtocolError
 from lynx_transport.protocol import wire
-from lynx_transport.protocol.wire import FrameDecoder, FrameType, OversizedFrame, encode_frame
+from lynx_transport.protocol.wire import WIRE_VERSION, FrameDecoder, FrameType, OversizedFrame, encode_frame
 
 
 def decode_all(decoder: FrameDecoder, data: bytes, step: int) -> list:
@@ -37,7 +37,7 @@ def test_truncated_frame_yields_nothing_until_complete() -> None:
 
 @pytest.mark.parametrize(("mutate", "message"), [
     (lambda b: b"XYNX" + b[4:], "magic"),
-    (lambda b: b[:4] + bytes([2]) + b[5:], "version"),
+    (lambda b: b[:4] + bytes([WIRE_VERSION + 1]) + b[5:], "version"),
     (lambda b: b[:5] + bytes([99]) + b[6:], "frame type"),
     (lambda b: b[:6] + b"\x00\x01" + b[8:], "flags"),
 ])
@@ -71,7 +71,7 @@ def test_small_payload_helpers_round_trip_and_reject_wrong_sizes() -> None:
     assert wire.unpack_stream_text(wire.pack_stream_text(5, 2, "no room")) == (5, 2, "no room")
     assert wire.unpack_rate(wire.pack_rate(1.5, 4096)) == (1.5, 4096)
     assert wire.unpack_welcome(wire.pack_welcome(b"addr", 0.0, 0)) == ((b"addr",), 0.0, 0,
-                                                                      wire.WelcomeFlags.NONE)
+                                                                      wire.WelcomeFlags.NONE, 0, 0)
     with pytest.raises(ProtocolError):
         wire.unpack_stream_lane(b"\x00" * 8)
     with pytest.raises(ProtocolError):
@@ -82,10 +82,11 @@ def test_small_payload_helpers_round_trip_and_reject_wrong_sizes() -> None:
 
 def test_welcome_lists_the_receive_rails_and_rejects_a_bad_list() -> None:
     addrs = (b"rail0", b"r1", b"rail-two")
-    payload = wire.pack_welcome(addrs, 1.0, 4096, wire.WelcomeFlags.CHUNK_SUMS)
+    payload = wire.pack_welcome(addrs, 1.0, 4096, wire.WelcomeFlags.CHUNK_SUMS, 77, 1 << 20)
     assert wire.unpack_welcome(payload) == (addrs, 1.0, 4096,
-                                            wire.WelcomeFlags.CHUNK_SUMS | wire.WelcomeFlags.RAILS)
-    head = 1 + 16  # flags + rate
+                                            wire.WelcomeFlags.CHUNK_SUMS | wire.WelcomeFlags.RAILS,
+                                            77, 1 << 20)
+    head = 1 + 16 + 8  # flags + rate + connection key and OPEN_SENT limit
     for bad, why in [(payload[:-1], "does not match"), (payload + b"x", "trailing"),
                      (payload[:head] + bytes([1]) + payload[head + 1:], "addresses"),
                      (payload[:head] + bytes([wire.MAX_RAILS + 1]) + payload[head + 1:], "addresses"),
@@ -94,3 +95,30 @@ def test_welcome_lists_the_receive_rails_and_rejects_a_bad_list() -> None:
             wire.unpack_welcome(bad)
     with pytest.raises(ProtocolError, match="1..8 worker addresses"):
         wire.pack_welcome([b"a"] * (wire.MAX_RAILS + 1), 0.0, 0)
+
+
+def test_welcome_carries_a_connection_key_of_at_most_its_bits() -> None:
+    top = (1 << wire.CONN_KEY_BITS) - 1
+    assert wire.unpack_welcome(wire.pack_welcome(b"a", 0.0, 0, conn_key=top, max_open=9))[4:] == (top, 9)
+    with pytest.raises(ProtocolError, match="bits"):
+        wire.pack_welcome(b"a", 0.0, 0, conn_key=top + 1)
+    bad = bytearray(wire.pack_welcome(b"a", 0.0, 0, conn_key=top))
+    bad[1 + 16] = 0xFF  # the key's top byte: past its bits
+    with pytest.raises(ProtocolError, match="bits"):
+        wire.unpack_welcome(bytes(bad))
+
+
+def test_tags_are_the_stream_token_and_the_chunk_index() -> None:
+    token = wire.stream_token(5, 9)
+    assert wire.conn_key_of(token) == 5
+    assert wire.chunk_tag(token, 3) == (token << wire.CHUNK_BITS) | 3
+    assert wire.chunk_tag(token, 3) < 1 << 64
+    # the largest key and a stream id past the token's bits still make a 64-bit tag, and
+    # streams of one connection 2**20 ids apart are the only ones that share a token
+    top = wire.stream_token((1 << wire.CONN_KEY_BITS) - 1, (1 << 64) - 1)
+    assert wire.chunk_tag(top, (1 << wire.CHUNK_BITS) - 1) == (1 << 64) - 1
+    bits = 64 - wire.CHUNK_BITS - wire.CONN_KEY_BITS
+    assert wire.stream_token(5, 9) == wire.stream_token(5, 9 + (1 << bits))
+    assert wire.stream_token(5, 9) != wire.stream_token(6, 9)
+    with pytest.raises(ProtocolError, match="chunk index"):
+        wire.unpack_stream_token(wire.pack_stream_token(1, 1 << (64 - wire.CHUNK_BITS)))
