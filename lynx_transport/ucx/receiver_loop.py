@@ -197,15 +197,16 @@ class RxLoop(IoLoop):
             self.on_open(conn, frame.payload, sent=t is FrameType.OPEN_SENT)
         elif t is FrameType.CANCEL:
             sid = unpack_u64(frame.payload, "CANCEL")
+            self.forget_waiting(conn, sid)
             self.drains.end(conn, sid)
-            self.waiting.discard(conn, sid)
             rx = conn.streams.get(sid)
             if rx is not None:
                 self.streams.fail(rx, StreamCancelledError(
                     f"stream {rx.handle.stream_id} was cancelled by its sender"), StreamState.CANCELLED)
         elif t is FrameType.STREAM_FAILED:
             sid, _, text = unpack_stream_text(frame.payload)
-            self.waiting.discard(conn, sid)
+            self.forget_waiting(conn, sid)
+            self.drains.end(conn, sid)
             rx = conn.streams.get(sid)
             if rx is not None:
                 self.streams.fail(rx, StreamFailedError(f"sender failed stream {sid}: {text}"),
@@ -220,6 +221,14 @@ class RxLoop(IoLoop):
             self.drop_conn(conn, PeerDisconnectedError(f"peer {conn.ctl.peer} closed the connection"))
         else:
             raise ProtocolError(f"unexpected {t.name} frame from a sender")
+
+    def forget_waiting(self, conn: RxPeer, sid: int) -> None:
+        """The sender gave up a stream still waiting for pool space: never admitted; the
+        chunks it sent before (``OPEN_SENT``) are drained."""
+        for _, peer, manifest in list(self.waiting.entries):
+            if peer is conn and manifest.stream_id == sid:
+                self.drains.start(conn, sid, manifest)
+        self.waiting.discard(conn, sid)
 
     def reject(self, conn: RxPeer, sid: int, reason: RejectReason, text: str,
                drain: Manifest | bytes | None = None) -> None:

@@ -228,8 +228,13 @@ class SenderLoop(IoLoop):
 
     def maybe_finish_cancel(self, tx: TxStream) -> None:
         # Chunks already handed to UCX finish first, so the receiver can safely
-        # drop the receives that are left when CANCEL arrives.
-        if tx.cancelling and tx.inflight == 0:
+        # drop the receives that are left when CANCEL arrives. A stream sent before
+        # its ACCEPT and not accepted (yet) says it at once: its chunks wait for
+        # receives only the receiver's drain (on CANCEL or REJECT) posts.
+        if tx.cancel_sent or not tx.cancelling:
+            return
+        if tx.inflight == 0 or (tx.sent and not tx.accepted):
+            tx.cancel_sent = True
             if tx.handle._completion.finish(StreamState.CANCELLED, self.clock.now(),
                                             StreamCancelledError(
                                                 f"stream {tx.handle.stream_id} was cancelled")):

@@ -50,4 +50,5 @@ class TxStream:
     accepted: bool = False
     inflight: int = 0
     cancelling: bool = False
+    cancel_sent: bool = False
     supplied: list[int] = dataclasses.field(default_factory=list)  # in supply order
