@@ -10,7 +10,7 @@ round, the same every round:
 
 1. throughput: ``lynx``, ``ucxx``, ``lynx_written``, ``ucxx_written`` (each Lynx
    group right before the raw ucxx group from the same buffer), ``asyncio_tcp``,
-   ``ucx_perftest``, ``lynx_tcp``;
+   ``ucx_perftest``, ``lynx_tcp``, ``ucx_perftest`` over tcp;
 2. latency: per size of :data:`~lynx_bench.transport_bench.runner.LATENCY_SIZES`,
    ``lynx`` then ``lynx_tcp`` (each also timing its one-way ``*_oneway`` entry), then
    ``ucx_perftest``'s ``tag_lat``;
@@ -27,7 +27,7 @@ from lynx_bench.transport_bench.baseline_runs import (
     UcxxThroughput,
 )
 from lynx_bench.transport_bench.lynx_runs import LynxLatency, LynxPaths, LynxThroughput
-from lynx_bench.transport_bench.peer_runs import PeerBackends, PeerRun
+from lynx_bench.transport_bench.peer_runs import TCP_TLS, PeerBackends, PeerRun
 from lynx_bench.transport_bench.peers.engines import Engine
 from lynx_bench.transport_bench.runner import LATENCY_SIZES, Plan, Runner
 from lynx_transport import TransportConfig
@@ -73,7 +73,7 @@ class Backends:
             runners += [LynxThroughput("lynx" + suffix, lynx, seed, end_to_end=not suffix),
                         UcxxThroughput("ucxx" + suffix, self.raw, self.ucxx_peer, seed)]
         runners += [AsyncioTcpThroughput(self.tcp), UcxPerftest(),
-                    LynxThroughput("lynx_tcp", lynx_tcp, UNTOUCHED)]
+                    LynxThroughput("lynx_tcp", lynx_tcp, UNTOUCHED), UcxPerftest(TCP_TLS)]
         for size in LATENCY_SIZES:
             runners += [LynxLatency(name, peer, size, self.lynx.landed[name])
                         for name, peer in self.lynx.peers.items()]

@@ -60,14 +60,17 @@ class AsyncioTcpThroughput:
 @dataclasses.dataclass(frozen=True)
 class UcxPerftest:
     """One ``ucx_perftest`` run of ``2 * max(plan.messages, 5)`` timed iterations on the
-    default UCX path, after the others' warm-up: ``WARM_UP_S`` of sends at ~10 GB/s."""
+    default UCX path (or ``tls``, ``UCX_TLS=tcp`` beside ``lynx_tcp``), after the others'
+    warm-up: ``WARM_UP_S`` of sends at ~10 GB/s."""
 
+    tls: str | None = None
     phase: str = "throughput"
 
     def run(self, plan: Plan) -> Record:
         warmup = max(1, round(WARM_UP_S * 10e9 / plan.nbytes))
-        gbps = ucx_perftest_gbps(plan.nbytes, max(plan.messages, 5) * 2, plan.tls, warmup=warmup)
-        return Record(perftest_gbps=[gbps])
+        gbps = ucx_perftest_gbps(plan.nbytes, max(plan.messages, 5) * 2, self.tls or plan.tls,
+                                 warmup=warmup)
+        return Record(perftest_tcp_gbps=[gbps]) if self.tls else Record(perftest_gbps=[gbps])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ from the first byte handed over to the receiver's confirmation):
 * ``lynx_gbps`` - ``Connection.send_stream`` of one region, confirmed by the receiver;
 * ``ucxx_gbps`` - raw ucxx tagged send/recv on the same UCX path;
 * ``ucx_perftest_gbps`` - ``ucx_perftest -t tag_bw``, same ``UCX_TLS``, no ``-e``;
+  ``ucx_perftest_tcp_gbps`` the same over ``UCX_TLS=tcp``, UCX's own ceiling beside
+  ``lynx_tcp_gbps`` (``lynx_tcp_vs_ucx_perftest_tcp``);
 * ``lynx_written_gbps`` / ``ucxx_written_gbps`` - the same from a written buffer;
 * ``asyncio_tcp_gbps`` - plain asyncio TCP sockets (a written buffer);
 * ``lynx_tcp_gbps`` - Lynx over ``UCX_TLS=tcp`` (untouched buffer), the path of
@@ -33,7 +35,9 @@ is latency-bound), ``median_us`` and ``p99_us`` per message over all rounds;
 the sender hears the receiver's STREAM_DONE), ``lynx_oneway``/``lynx_tcp_oneway``
 the same streams from ``send_stream`` to the receiver's ``on_region`` callback
 (one monotonic clock for both processes), ``ucx_perftest`` its ``tag_lat``
-50th percentile (half a ping-pong; no p99), the peers' one write each.
+50th percentile (half a ping-pong; no p99), the peers' one write each as the
+initiator sees it done, and ``nixl_notified`` NIXL's write with a notification
+until the target's ``get_new_notifs`` returns it (the way a consumer learns of it).
 ``lynx_p99_64k_vs_best_peer`` (and ``lynx_tcp_...``) divide Lynx's 64 KiB P99
 by the lowest peer P99 on the same path; ``lynx_oneway_64k_vs_ucx_perftest``,
 ``lynx_tcp_oneway_64k_vs_mooncake_tcp`` and ``lynx_oneway_1m_vs_nixl_polling``
@@ -197,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
             "lynx_p99_64k_vs_best_peer", "lynx_tcp_p99_64k_vs_best_peer",
             "anchor_under_load_ratio", "shaping_error", "shaping_error_tcp",
             "lynx_oneway_64k_median_us", "lynx_oneway_64k_p99_us", "lynx_oneway_64k_vs_ucx_perftest",
-            "lynx_tcp_oneway_64k_vs_mooncake_tcp", "lynx_oneway_1m_vs_nixl_polling"]
+            "lynx_tcp_oneway_64k_vs_mooncake_tcp", "lynx_oneway_1m_vs_nixl_polling",
+            "ucx_perftest_tcp_gbps", "lynx_tcp_vs_ucx_perftest_tcp"]
     for key in keys:
         target = TARGETS.get(key)
         met = result["targets_met"].get(key)

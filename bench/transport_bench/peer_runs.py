@@ -30,13 +30,18 @@ from lynx_bench.transport_bench.peers.mooncake import MooncakePair
 from lynx_bench.transport_bench.peers.nixl import NixlConfig, NixlPair
 from lynx_bench.transport_bench.runner import LATENCY_SIZES, Plan, Record
 
-__all__ = ["PeerBackends", "PeerRun", "TCP_TLS", "best_of", "latency_summary", "NIXL", "NIXL_TCP", "MOONCAKE_TCP"]
+__all__ = ["PeerBackends", "PeerRun", "TCP_TLS", "best_of", "latency_summary", "NIXL", "NIXL_TCP",
+           "MOONCAKE_TCP", "NIXL_NOTIFIED"]
 
 #: The UCX path every ``*_tcp`` backend uses.
 TCP_TLS = "tcp"
 NIXL = {f"nixl_{c.value}": c for c in NixlConfig}
 NIXL_TCP = {f"nixl_tcp_{c.value}": c for c in NixlConfig}
 MOONCAKE_TCP = "mooncake_tcp"
+#: NIXL's writes with a notification, so its target is told (:meth:`NixlPair.notified`),
+#: measured with the polling configuration's processes on the default path.
+NIXL_NOTIFIED = "nixl_notified"
+_NOTIFIED_ON = f"nixl_{NixlConfig.POLLING.value}"
 
 
 class PeerBackends:
@@ -69,11 +74,13 @@ class PeerBackends:
     def names(self) -> list[str]:
         return list(self._backends)
 
-    def run(self, name: str, groups: list[tuple[int, int, bool]], warm_up_s: float) -> list[list[float]] | None:
-        """Start ``name``'s processes, time each group ``(size, messages, written)``
+    def run(self, name: str, groups: list[tuple[int, int, bool, bool]], warm_up_s: float
+            ) -> list[list[float]] | None:
+        """Start ``name``'s processes, time each group ``(size, messages, written, notified)``
         (seconds per message, after ``warm_up_s`` of the same writes; from a written
-        buffer or the never-written one), stop them. None (and the engine skipped from
-        now on) when the engine cannot run here."""
+        buffer or the never-written one; ``notified``: NIXL's writes with a notification,
+        until the target sees it), stop them. None (and the engine skipped from now on)
+        when the engine cannot run here."""
         if name not in self._backends:  # its engine was found unable to run meanwhile
             return None
         engine, make = self._backends[name]
@@ -85,7 +92,9 @@ class PeerBackends:
                 for other in [n for n, (e, _) in self._backends.items() if e is engine]:
                     del self._backends[other]
                 return None
-            return [pair.timed(size, messages, warm_up_s, written) for size, messages, written in groups]
+            return [pair.notified(size, messages, warm_up_s) if notified
+                    else pair.timed(size, messages, warm_up_s, written)
+                    for size, messages, written, notified in groups]
         finally:
             pair.close()
 
@@ -96,7 +105,8 @@ class PeerRun:
     the never-written buffer, from a written one too for NIXL on the default path (where the
     zero page's effect is large; over tcp the kernel's socket copies dominate), then
     ``plan.latency_messages`` per size of :data:`LATENCY_SIZES`, all in one start of its
-    processes. An empty record when its engine cannot run."""
+    processes; for ``nixl_polling``, :data:`NIXL_NOTIFIED`'s latency groups too. An empty
+    record when its engine cannot run."""
 
     name: str
     peers: PeerBackends
@@ -106,16 +116,21 @@ class PeerRun:
         return self.name
 
     def run(self, plan: Plan) -> Record:
-        written = [(plan.nbytes, plan.messages, True)] if self.name in NIXL else []
-        groups = [(plan.nbytes, plan.messages, False), *written,
-                  *((size, plan.latency_messages, False) for size in LATENCY_SIZES)]
+        written = [(plan.nbytes, plan.messages, True, False)] if self.name in NIXL else []
+        latency = [(size, plan.latency_messages, False, False) for size in LATENCY_SIZES]
+        notified = ([(size, plan.latency_messages, False, True) for size in LATENCY_SIZES]
+                    if self.name == _NOTIFIED_ON else [])
+        groups = [(plan.nbytes, plan.messages, False, False), *written, *latency, *notified]
         got = self.peers.run(self.name, groups, WARM_UP_S)
         if got is None:
             return Record()
         record = Record(throughput_s={self.name: got[0]})
         if written:
             record.throughput_s[self.name + "_written"] = got[1]
-        record.latency_s[self.name] = dict(zip(LATENCY_SIZES, got[1 + len(written):], strict=False))
+        first = 1 + len(written)
+        record.latency_s[self.name] = dict(zip(LATENCY_SIZES, got[first:first + len(latency)], strict=True))
+        if notified:
+            record.latency_s[NIXL_NOTIFIED] = dict(zip(LATENCY_SIZES, got[first + len(latency):], strict=True))
         return record
 
 

@@ -112,6 +112,9 @@ def _details(record: Record, after: LynxAfterRounds, plan: Plan, config: Transpo
                           "on_region callback (time.monotonic() in both processes); "
                           "ucx_perftest: tag_lat's own 50th percentile of half a ping-pong "
                           "(no p99: it reports none); "
+                          "nixl_notified: NIXL's polling configuration, each write with a "
+                          "notification, the initiator's transfer() -> the target's "
+                          "get_new_notifs() returning it (time.monotonic() in both); "
                           "lynx, lynx_tcp: the same streams, "
                           "send_stream() -> receiver's STREAM_DONE; peers: one write",
         "lynx_data_path_latency": _latency(record.data_latency_s),
@@ -120,6 +123,7 @@ def _details(record: Record, after: LynxAfterRounds, plan: Plan, config: Transpo
         "per_message_gbps": {k: [round(nbytes * 8 / t / 1e9, 3) for t in v]
                              for k, v in record.throughput_s.items()},
         "ucx_perftest_runs_gbps": [round(x, 3) for x in record.perftest_gbps],
+        "ucx_perftest_tcp_runs_gbps": [round(x, 3) for x in record.perftest_tcp_gbps],
         "anchor_under_load_ratios": [round(x, 4) for x in after.anchor_ratios],
         "anchor_link_gbps": link_gbps, "anchor_bytes": ANCHOR_BYTES,
         "shaping": after.shaping["lynx"], "shaping_tcp": after.shaping["lynx_tcp"],
@@ -144,6 +148,7 @@ def _add_ratios(result: dict[str, Any], lynx_gbps: float) -> None:
                                                     result["nixl_written_gbps"])
     result["lynx_tcp_vs_nixl_tcp"] = _ratio(result["lynx_tcp_gbps"], result["nixl_tcp_gbps"])
     result["lynx_tcp_vs_mooncake_tcp"] = _ratio(result["lynx_tcp_gbps"], result["mooncake_tcp_gbps"])
+    result["lynx_tcp_vs_ucx_perftest_tcp"] = _ratio(result["lynx_tcp_gbps"], result["ucx_perftest_tcp_gbps"])
     result["lynx_p99_64k_vs_best_peer"] = p99_vs_best("lynx", list(NIXL))
     result["lynx_tcp_p99_64k_vs_best_peer"] = p99_vs_best("lynx_tcp", [*NIXL_TCP, MOONCAKE_TCP])
 
@@ -169,6 +174,8 @@ def summarize(record: Record, after: LynxAfterRounds, plan: Plan, config: Transp
     the peer engines that could not run (engine -> reason with the install hint)."""
     result = {
         **_throughput(record.throughput_s, plan.nbytes, record.perftest_gbps),
+        "ucx_perftest_tcp_gbps": (round(statistics.median(record.perftest_tcp_gbps), 3)
+                                  if record.perftest_tcp_gbps else None),
         "anchor_under_load_ratio": round(statistics.median(after.anchor_ratios), 4),
         "shaping_error": max(e["error"] for e in after.shaping["lynx"].values()),
         "shaping_error_tcp": max(e["error"] for e in after.shaping["lynx_tcp"].values()),

@@ -40,7 +40,8 @@ class Record:
     """Timings, keyed by the backend names of the JSON: seconds per message
     (``throughput_s``; ``latency_s`` and Lynx's ``data_latency_s`` per message size),
     Lynx's end-to-end seconds of its default-path throughput messages
-    (``end_to_end_s``) and ``ucx_perftest``'s runs (``perftest_gbps``; ``perftest_latency_us``
+    (``end_to_end_s``) and ``ucx_perftest``'s runs (``perftest_gbps``, ``perftest_tcp_gbps``
+    over ``UCX_TLS=tcp``; ``perftest_latency_us``
     per message size, each run's own 50th percentile)."""
 
     throughput_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -48,6 +49,7 @@ class Record:
     data_latency_s: dict[str, dict[int, list[float]]] = dataclasses.field(default_factory=dict)
     end_to_end_s: list[float] = dataclasses.field(default_factory=list)
     perftest_gbps: list[float] = dataclasses.field(default_factory=list)
+    perftest_tcp_gbps: list[float] = dataclasses.field(default_factory=list)
     perftest_latency_us: dict[int, list[float]] = dataclasses.field(default_factory=dict)
 
     def add(self, other: Record) -> None:
@@ -62,6 +64,7 @@ class Record:
                     mine.setdefault(name, {}).setdefault(size, []).extend(seconds)
         self.end_to_end_s.extend(other.end_to_end_s)
         self.perftest_gbps.extend(other.perftest_gbps)
+        self.perftest_tcp_gbps.extend(other.perftest_tcp_gbps)
         for size, runs in other.perftest_latency_us.items():
             self.perftest_latency_us.setdefault(size, []).extend(runs)
 

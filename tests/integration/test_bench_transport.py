@@ -31,7 +31,7 @@ FIELDS = {
     Engine.MOONCAKE: ["mooncake_tcp_gbps", "lynx_tcp_vs_mooncake_tcp", "lynx_tcp_oneway_64k_vs_mooncake_tcp"],
 }
 LATENCY = {Engine.NIXL: ["nixl_progress_thread", "nixl_polling", "nixl_tcp_progress_thread",
-                         "nixl_tcp_polling"],
+                         "nixl_tcp_polling", "nixl_notified"],
            Engine.MOONCAKE: ["mooncake_tcp"]}
 SIZES = ["65536", "1048576"]
 
@@ -50,7 +50,8 @@ def test_quick_mode_with_each_installed_peer(tmp_path) -> None:
     result = json.loads(out.read_text())
 
     for key in ["lynx_gbps", "lynx_written_gbps", "lynx_tcp_gbps", "ucxx_gbps", "asyncio_tcp_gbps",
-                "ucx_perftest_gbps", "anchor_under_load_ratio"]:
+                "ucx_perftest_gbps", "ucx_perftest_tcp_gbps", "lynx_tcp_vs_ucx_perftest_tcp",
+                "anchor_under_load_ratio"]:
         assert _positive(result[key]), key
     for key in ["shaping_error", "shaping_error_tcp"]:
         assert isinstance(result[key], float) and result[key] >= 0, key
@@ -106,7 +107,7 @@ def test_an_engine_that_fails_to_import_is_skipped_with_the_hint(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))  # the spawned children get this sys.path too
     peers = PeerBackends([Engine.NIXL], 1 << 20, "tcp", {})
     assert peers.skipped == {}
-    assert peers.run(peers.names()[0], [(1 << 20, 1, False)], 0.0) is None
+    assert peers.run(peers.names()[0], [(1 << 20, 1, False, False)], 0.0) is None
     reason = peers.skipped["nixl"]
     assert "libfoo.so" in reason and "--install-peers" in reason
     assert peers.names() == []

@@ -9,6 +9,10 @@ message is one ``WRITE`` of the initiator's buffer into the target's
 ``check_xfer_state`` until ``DONE``: the bytes are in the target's memory).
 A message's time is the initiator's, from ``transfer`` to ``DONE``, without a
 notification to the target (:data:`NOTIFICATION`: the faster way, by far).
+:meth:`NixlPair.notified` times the other way, the one a consumer that must learn of
+the bytes uses: each write carries a notification, and a message's time runs from
+the initiator's ``transfer`` to the target's ``get_new_notifs`` returning it (both
+``time.monotonic()``, one clock for the host's processes; the target busy-polls).
 
 Two documented configurations, both measured:
 
@@ -34,7 +38,15 @@ import time
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-from lynx_bench.transport_bench.peers.engines import ANSWERED, ENGINES, Engine, import_error, serve, timed_writes
+from lynx_bench.transport_bench.peers.engines import (
+    ANSWERED,
+    ENGINES,
+    Engine,
+    import_error,
+    serve,
+    timed,
+    timed_writes,
+)
 from lynx_transport.testing import PeerProcess
 
 __all__ = ["NixlConfig", "NixlPair", "nixl_target", "nixl_initiator"]
@@ -98,17 +110,36 @@ def nixl_target(pipe: Pipe, nbytes: int, tls: str, config: NixlConfig, ucx_env: 
         return
     pipe.send(("ok", {"metadata": agent.get_agent_metadata(), "address": address}))
     notifs = 0
+    arrived: dict[bytes, float] = {}  # notification -> time.monotonic() it was seen
+
+    def drain() -> None:
+        nonlocal notifs
+        got = agent.get_new_notifs()
+        now = time.monotonic()
+        for messages in got.values():
+            notifs += len(messages)
+            arrived.update((m, now) for m in messages)
 
     def poll() -> object:
         """Busy-poll (the no-progress-thread configuration) until the parent's next request."""
-        nonlocal notifs
         pipe.send(("ok", "polling"))
         while not pipe.poll(0):
             for _ in range(64):
-                notifs += sum(len(v) for v in agent.get_new_notifs().values())
+                drain()
         return ANSWERED  # the request that ended the polling is answered next
 
-    serve(pipe, {"connect": agent.add_remote_agent, "poll": poll, "stop": lambda: notifs})
+    def arrivals(wanted: list[bytes], timeout: float = 5.0) -> dict[bytes, float]:
+        """When each of the ``wanted`` notifications was seen (waiting up to ``timeout``
+        for the last ones); everything seen so far is then forgotten."""
+        deadline = time.monotonic() + timeout
+        while any(m not in arrived for m in wanted) and time.monotonic() < deadline:
+            drain()
+        got = {m: arrived[m] for m in wanted if m in arrived}
+        arrived.clear()
+        return got
+
+    serve(pipe, {"connect": agent.add_remote_agent, "poll": poll, "stop": lambda: notifs,
+                 "arrivals": arrivals})
 
 
 def nixl_initiator(pipe: Pipe, nbytes: int, tls: str, config: NixlConfig,
@@ -147,6 +178,26 @@ def nixl_initiator(pipe: Pipe, nbytes: int, tls: str, config: NixlConfig,
             raise RuntimeError(f"NIXL transfer of {size} B failed: {state}")
         return time.perf_counter() - start
 
+    def notified(size: int, messages: int, warm_up_s: float) -> dict[bytes, float]:
+        """Writes that each carry a notification (its message number): the timed ones'
+        notification -> the ``time.monotonic()`` their ``transfer`` was called."""
+        h = handle(size, False)
+        count = 0
+
+        def send() -> tuple[bytes, float]:
+            nonlocal count
+            msg = str(count).encode()
+            count += 1
+            start = time.monotonic()
+            state = agent.transfer(h, msg)
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL transfer of {size} B failed: {state}")
+            return msg, start
+
+        return dict(timed(send, messages, warm_up_s))
+
     def connect(metadata: Any, address: int) -> Any:
         nonlocal remote, remote_address
         remote = agent.add_remote_agent(metadata)
@@ -154,7 +205,7 @@ def nixl_initiator(pipe: Pipe, nbytes: int, tls: str, config: NixlConfig,
         agent.make_connection(remote)  # documented: spares the first transfer the wire-up
         return remote
 
-    serve(pipe, {"connect": connect, "timed": timed_writes(write)})
+    serve(pipe, {"connect": connect, "timed": timed_writes(write), "notified": notified})
 
 
 class NixlPair:
@@ -186,6 +237,21 @@ class NixlPair:
         finally:
             if polling:
                 self.target.call("stop")
+
+    def notified(self, size: int, messages: int, warm_up_s: float) -> list[float]:
+        """Seconds per message from the initiator's ``transfer`` to the target seeing its
+        notification, for ``messages`` writes of ``size`` bytes after the warm-up; the
+        target busy-polls (the polling configuration's way)."""
+        self.target.call("poll")
+        try:
+            starts = self.initiator.call("notified", size, messages, warm_up_s, timeout=300.0)
+        finally:
+            self.target.call("stop")
+        seen = self.target.call("arrivals", list(starts), timeout=60.0)
+        missing = [m for m in starts if m not in seen]
+        if missing:
+            raise RuntimeError(f"NIXL: {len(missing)} of {len(starts)} notifications never arrived")
+        return [seen[m] - t for m, t in starts.items()]
 
     def close(self) -> None:
         self.initiator.close()
