@@ -166,10 +166,20 @@ def test_the_residual_never_waits_and_verification_rides_on_it(model, residual_r
         assert m["first_tentative_s"] is not None, _clocks(m)
         timing.less_than(f"{gbps:g} Gbit/s: first residual region on the link, against the first tentative token",
                          m["first_residual_s"] - region_s, m["first_tentative_s"])
-    # ... and the verify pass started before the residual lane completed (it waits per layer),
-    # which completed before the first committed token
-    timing.less_than(f"{gbps:g} Gbit/s: the engine took the full cache, against the residual lane's completion",
-                     m["full_taken_s"], m["transfer_residual_s"])
+    # ... and, where the residual was still on the link when the first tentative token came out,
+    # the verify pass started before the residual lane completed (it waits per layer), which
+    # completed before the first committed token. Where the first step outlasted the whole
+    # residual there is nothing left to ride on (on the 2-core box on 2026-12-03 the first step
+    # at 1 Gbit/s took 0.22 s and the residual 0.21 s, with this code and the code before it):
+    # then the engine takes the full cache right after that step, within one more step.
+    if m["first_tentative_s"] is None or m["first_tentative_s"] < m["transfer_residual_s"]:
+        timing.less_than(f"{gbps:g} Gbit/s: the engine took the full cache, against the residual lane's completion",
+                         m["full_taken_s"], m["transfer_residual_s"])
+    else:
+        step_s = m["first_tentative_s"] - m["draft_start_s"]
+        timing.less_than(f"{gbps:g} Gbit/s: the residual landed during the first step; the engine took the full "
+                         "cache, against the first tentative token plus one step",
+                         m["full_taken_s"], m["first_tentative_s"] + step_s)
     timing.at_most(f"{gbps:g} Gbit/s: the residual lane's completion, against the first committed token",
                    m["transfer_residual_s"], m["ttfct_s"])
 
