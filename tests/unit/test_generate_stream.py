@@ -371,7 +371,11 @@ def _holding(node: Any) -> Any:
 def _child(tmp_path: Path, *flags: str) -> list[str]:
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("the quick brown fox jumps over the lazy dog " * 4)
-    code = "import sys; from tests.unit.test_generate_stream import _toy_run; sys.exit(_toy_run(sys.argv[1:]))"
+    # the checkout goes last on sys.path (the Makefile's PYTHONSAFEPATH keeps it off the front,
+    # where its kernels/ would hide the PyPI package kernels)
+    root = str(Path(__file__).resolve().parents[2])
+    code = (f"import sys; sys.path.append({root!r}); from tests.unit.test_generate_stream import _toy_run; "
+            "sys.exit(_toy_run(sys.argv[1:]))")
     return [sys.executable, "-c", code, "--prompt-file", str(prompt), "--json", str(tmp_path / "o.json"),
             "--max-new-tokens", "12", *flags]
 
