@@ -162,10 +162,7 @@ class RxLoop(IoLoop):
             log.warning("dropping control connection from %s: %s", conn.ctl.peer, exc)
         for rx in list(conn.streams.values()):
             self.streams.fail(rx, exc, StreamState.FAILED)
-        for _, peer, manifest in list(self.waiting.entries):
-            if peer is conn:
-                self.drains.start(conn, manifest.stream_id, manifest)
-        self.waiting.discard(conn)
+        self.forget_waiting(conn)
         for sid in list(conn.draining):
             self.drains.end(conn, sid)
         if conn.key:
@@ -222,12 +219,13 @@ class RxLoop(IoLoop):
         else:
             raise ProtocolError(f"unexpected {t.name} frame from a sender")
 
-    def forget_waiting(self, conn: RxPeer, sid: int) -> None:
-        """The sender gave up a stream still waiting for pool space: never admitted; the
-        chunks it sent before (``OPEN_SENT``) are drained."""
+    def forget_waiting(self, conn: RxPeer, sid: int | None = None) -> None:
+        """The sender gave up stream ``sid`` (every stream of ``conn`` when None) while it
+        waited for pool space: never admitted; the chunks sent before (``OPEN_SENT``) are
+        drained."""
         for _, peer, manifest in list(self.waiting.entries):
-            if peer is conn and manifest.stream_id == sid:
-                self.drains.start(conn, sid, manifest)
+            if peer is conn and sid in (None, manifest.stream_id):
+                self.drains.start(conn, manifest.stream_id, manifest)
         self.waiting.discard(conn, sid)
 
     def reject(self, conn: RxPeer, sid: int, reason: RejectReason, text: str,
@@ -254,23 +252,21 @@ class RxLoop(IoLoop):
         connection's key; they wait in UCX until admission posts their receives)."""
         limits = self.config.manifest_limits
         sid = int.from_bytes(payload[:8].ljust(8, b"\0"), "big")
-        duplicate = (sid in conn.streams or self.waiting.holds(conn, sid) or sid in conn.sent
-                     or sid in conn.draining)
+        live = ("active" if sid in conn.streams
+                else "waiting" if self.waiting.holds(conn, sid) else None)
         if sent:
-            if duplicate or self.quarantine.in_use(stream_token(conn.key, sid)):
+            if (live or sid in conn.sent or sid in conn.draining
+                    or self.quarantine.in_use(stream_token(conn.key, sid))):
                 # two streams' chunks under one tag cannot be told apart
                 raise ProtocolError(f"OPEN_SENT for stream {sid}, whose tags are still in use")
-            conn.sent.add(sid)
+            conn.sent.add(sid)  # until admitted or drained
         try:
             manifest = decode_manifest(payload, limits)
         except ManifestError as exc:
             self.reject(conn, sid, RejectReason.MANIFEST, str(exc), payload)
             return
-        if sid in conn.streams:
-            self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already active")
-            return
-        if self.waiting.holds(conn, sid):
-            self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already waiting")
+        if live:  # a plain OPEN (an OPEN_SENT raised above): nothing of it is on its way
+            self.reject(conn, sid, RejectReason.MANIFEST, f"stream id {sid} is already {live}")
             return
         self.waiting.add(conn, manifest, self.clock.now())
         self.admit_waiting(self.clock.now())

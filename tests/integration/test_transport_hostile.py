@@ -17,7 +17,14 @@ import pytest
 from lynx_transport import Lane, ReceivePool, Receiver, StreamState, TransportConfig, connect
 from lynx_transport.errors import ProtocolError
 from lynx_transport.protocol.manifest import Manifest, ManifestLimits, RegionSpec, encode_manifest
-from lynx_transport.protocol.wire import FrameType, chunk_tag, pack_chunk_sum, unpack_stream_token, unpack_welcome
+from lynx_transport.protocol.wire import (
+    FrameType,
+    chunk_tag,
+    pack_chunk_sum,
+    unpack_stream_text,
+    unpack_stream_token,
+    unpack_welcome,
+)
 from lynx_transport.testing import RawDataPath, RawPeer, pattern
 
 pytestmark = pytest.mark.ucx
@@ -269,3 +276,28 @@ def test_a_receiver_abandons_a_residual_that_never_arrives() -> None:
         nxt = rx.next_stream(10)
         nxt.wait(10)
         assert np.array_equal(nxt.view("b"), data)
+
+
+def test_a_stream_id_in_use_is_refused_without_touching_the_live_stream() -> None:
+    """A plain OPEN that reuses a live stream's id gets REJECT (nothing of it is on its way);
+    an OPEN_SENT that does is a protocol error (two streams' chunks under one tag cannot be
+    told apart): the connection goes."""
+    rx = Receiver(ReceivePool(1 << 20), config=CONFIG)
+    try:
+        with RawPeer(rx.address) as raw:
+            raw.handshake()
+            open_stream(raw, 1, 2 * CHUNK)
+            stream = rx.next_stream(5)
+            again = encode_manifest(Manifest(1, CHUNK, (RegionSpec("r", CHUNK, Lane.ANCHOR),)),
+                                    ManifestLimits())
+            raw.send(FrameType.OPEN, again)
+            sid, _, text = unpack_stream_text(raw.expect(FrameType.REJECT).payload)
+            assert (sid, text) == (1, "stream id 1 is already active")
+            assert not stream.state.terminal
+            raw.send(FrameType.OPEN_SENT, again)
+            raw.drain_until_closed()  # the receiver drops the connection, and the stream with it
+            with pytest.raises(ProtocolError, match="still in use"):
+                stream.wait(10)
+            assert stream.state is StreamState.FAILED
+    finally:
+        rx.close()
