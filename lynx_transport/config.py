@@ -118,6 +118,17 @@ class TransportConfig:
         (``pool_wait_s``) holds its chunks in the sender's in-flight window
         meanwhile. Off: every stream waits for its ACCEPT, one control round trip
         before the first byte.
+    busy_poll:
+        Latency mode (default off). The sender's and the receiver's I/O threads
+        never sleep: they poll UCX, their control sockets and their callers'
+        requests in a loop, yielding the core between rounds, instead of
+        sleeping on UCX's event fd when idle. A frame or a completion is seen
+        at the next round, not after a thread wake-up. Costs a whole core per
+        I/O thread (one per sender egress, one per receiver) for as long as
+        the transport is open, idle or not. The receiver's extra rails
+        (``rails`` > 1) keep the adaptive loop; ``rails=1`` puts every chunk
+        on the polling thread. For hosts with cores to spare (a decode node
+        whose model runs on a GPU); off where the model shares the CPU.
 
     The measurements behind these defaults: docs/design.md, "Measured facts".
     """
@@ -139,6 +150,7 @@ class TransportConfig:
     thread_nice: int = 0
     rails: int = 2
     send_before_accept: bool = True
+    busy_poll: bool = False
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -162,6 +174,9 @@ class TransportConfig:
             raise ValueError(f"thread_nice must be an int in [-39, 39], got {self.thread_nice!r}")
         if not isinstance(self.rails, int) or not 1 <= self.rails <= MAX_RAILS:
             raise ValueError(f"rails must be an int in [1, {MAX_RAILS}], got {self.rails!r}")
+        if not isinstance(self.busy_poll, bool) or not isinstance(self.send_before_accept, bool):
+            raise ValueError("busy_poll and send_before_accept must be bools, got "
+                             f"{self.busy_poll!r} and {self.send_before_accept!r}")
         if not isinstance(self.lane_policy, LanePolicy):
             raise ValueError(f"lane_policy must be a LanePolicy, got {self.lane_policy!r}")
         if not self.ucx_tls:

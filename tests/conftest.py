@@ -10,6 +10,7 @@ fixture (:mod:`tests.timing`); the summary lists every measurement with its boun
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -61,15 +62,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"netns: {reason}"))
 
 
-@pytest.fixture(params=["memory", pytest.param("ucx", marks=pytest.mark.ucx)])
+class BusyPollUCX:
+    """UCX in latency mode: every config it is handed (or the default) gets
+    ``busy_poll=True``, so a test body written for the seam runs over polling I/O threads."""
+
+    def __repr__(self) -> str:
+        return "UCX(busy_poll)"
+
+    @staticmethod
+    def _polling(config):
+        from lynx_transport import TransportConfig
+
+        return dataclasses.replace(config or TransportConfig(), busy_poll=True)
+
+    def connect(self, address, *, timeout, config=None):
+        from lynx_transport import UCX
+
+        return UCX.connect(address, timeout=timeout, config=self._polling(config))
+
+    def egress(self, config=None):
+        from lynx_transport import UCX
+
+        return UCX.egress(self._polling(config))
+
+    def listen(self, pool, *, host="127.0.0.1", port=0, config=None, callbacks=None):
+        from lynx_transport import UCX
+
+        return UCX.listen(pool, host=host, port=port, config=self._polling(config), callbacks=callbacks)
+
+
+@pytest.fixture(params=["memory", pytest.param("ucx", marks=pytest.mark.ucx),
+                        pytest.param("ucx-busy-poll", marks=pytest.mark.ucx)])
 def transport(request: pytest.FixtureRequest):
     """Each transport behind ``lynx_transport.seam.Transport``: the in-memory twin
-    (a fresh network per test) and the real one (UCX, marked ``ucx``). A test that
-    takes it runs once per transport: one test body, two implementations."""
+    (a fresh network per test), the real one (UCX, marked ``ucx``) and the real one in
+    latency mode (``TransportConfig.busy_poll``). A test that takes it runs once per
+    transport: one test body, every implementation."""
     if request.param == "memory":
         from lynx_transport.testing import MemoryTransport
 
         return MemoryTransport()
+    if request.param == "ucx-busy-poll":
+        return BusyPollUCX()
     from lynx_transport import UCX
 
     return UCX

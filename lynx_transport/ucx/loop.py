@@ -16,6 +16,15 @@ to the node's model threads. While requests are pending the sleep is capped
 at ``_PENDING_SLEEP_MAX_S`` (50 ms), so a UCX event that never reaches the fd
 costs a stall, not a hang.
 
+Latency mode (``busy_poll``, ``TransportConfig.busy_poll``) never sleeps: the
+loop polls the worker, its calls and the sockets round after round, giving up
+the core (``sched_yield``) between rounds, so a frame, a completion or a call is
+seen within one round instead of one wake-up (on this project's VMs a wake-up
+from epoll costs 100-200 us). It costs the loop's thread a whole core while the
+transport is open. A call's future is settled after the round's :meth:`step`,
+in either mode: the woken caller would otherwise take the GIL while this thread
+still has the call's chunks to hand to UCX.
+
 A near deadline (the shaper's next token, under ``_PRECISE_SLEEP_S``) is slept
 with ``time.sleep``, because epoll rounds up to whole milliseconds; the
 sockets are read right after it, before the next scheduling decision, so a
@@ -36,6 +45,7 @@ import collections
 import concurrent.futures
 import logging
 import math
+import os
 import selectors
 import socket
 import threading
@@ -66,8 +76,10 @@ class IoLoop:
     def __init__(self, name: str, tls: str, clock: Clock,
                  thread_init: Callable[[], None] | None = None, net_devices: str = "all",
                  nice: int = 0, worker: UcxWorker | None = None,
-                 heartbeat_s: float | None = None) -> None:
+                 heartbeat_s: float | None = None, busy_poll: bool = False) -> None:
         self.clock = clock
+        #: Latency mode (``TransportConfig.busy_poll``): never sleep, poll UCX and the sockets.
+        self.busy_poll = busy_poll
         #: A loop with control sockets (``heartbeat_s`` given) heartbeats them from a
         #: thread of its own (see :mod:`lynx_transport.ucx.heartbeat`); started and
         #: stopped with the loop.
@@ -105,7 +117,8 @@ class IoLoop:
                 fut.set_exception(ClosedError("the transport is closed"))
                 return fut
             self._calls.append((fn, fut))
-        self.wake()
+        if not self.busy_poll:  # a polling loop looks at the calls every round
+            self.wake()
         return fut
 
     def run(self, fn: Callable[[], Any], timeout: float) -> Any:
@@ -171,22 +184,34 @@ class IoLoop:
 
     @staticmethod
     def _run_one(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
-            fut.set_exception(exc)
+        IoLoop._settle(fut, IoLoop._outcome(fn, fut))
 
-    def _run_calls(self) -> bool:
-        ran = False
+    @staticmethod
+    def _outcome(fn: Callable[[], Any], fut: concurrent.futures.Future) -> tuple[bool, Any] | None:
+        """Run ``fn`` for ``fut``: ``(ok, result or exception)``, None if ``fut`` was cancelled."""
+        if not fut.set_running_or_notify_cancel():
+            return None
+        try:
+            return True, fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+            return False, exc
+
+    @staticmethod
+    def _settle(fut: concurrent.futures.Future, outcome: tuple[bool, Any] | None) -> None:
+        if outcome is not None:
+            (fut.set_result if outcome[0] else fut.set_exception)(outcome[1])
+
+    def _run_calls(self) -> list[tuple[concurrent.futures.Future, tuple[bool, Any] | None]]:
+        """Run the queued calls; their futures are settled by the caller, after the round's
+        :meth:`step`: a waiter woken earlier takes the GIL while this thread still has the
+        call's chunks to hand to UCX."""
+        ran: list[tuple[concurrent.futures.Future, tuple[bool, Any] | None]] = []
         while True:
             with self._calls_lock:
                 if not self._calls:
                     return ran
                 fn, fut = self._calls.popleft()
-            self._run_one(fn, fut)
-            ran = True
+            ran.append((fut, self._outcome(fn, fut)))
 
     def _select(self, timeout: float) -> bool:
         events = self.selector.select(timeout)
@@ -205,12 +230,22 @@ class IoLoop:
             while not self._stopping:
                 self.worker.progress()
                 ran = self._run_calls()
-                progressed, pending, deadline = self.step()
+                try:
+                    progressed, pending, deadline = self.step()
+                finally:  # the calls' waiters, after this round's chunks went to UCX
+                    for fut, outcome in ran:
+                        self._settle(fut, outcome)
                 n += 1
                 if progressed or ran:
                     last_progress = time.perf_counter()
                     if n % _SOCKET_POLL_EVERY == 0:
                         self._select(0)
+                    continue
+                if self.busy_poll:
+                    # latency mode: the sockets every round, the core given up to a
+                    # runnable thread (not slept away: a wake-up costs more than a poll)
+                    self._select(0)
+                    os.sched_yield()
                     continue
                 now = self.clock.now()
                 timeout = 1.0 if deadline is None else max(0.0, deadline - now)

@@ -90,7 +90,7 @@ class RxLoop(IoLoop):
         init = None if device is None else (lambda: adapter.ensure_cuda_context(device))
         super().__init__("lynx-rx-io", config.ucx_tls, clock, init,
                          net_devices=net_devices, nice=config.thread_nice,
-                         heartbeat_s=config.heartbeat_interval_s)
+                         heartbeat_s=config.heartbeat_interval_s, busy_poll=config.busy_poll)
         self.pool = pool
         self.config = config
         self.post = post

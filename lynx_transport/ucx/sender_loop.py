@@ -77,7 +77,7 @@ class SenderLoop(IoLoop):
     def __init__(self, config: TransportConfig, clock: Clock, worker: UcxWorker,
                  link: Rate | None = None, lanes: dict[int, Rate] | None = None) -> None:
         super().__init__("lynx-tx-io", config.ucx_tls, clock, nice=config.thread_nice, worker=worker,
-                         heartbeat_s=config.heartbeat_interval_s)
+                         heartbeat_s=config.heartbeat_interval_s, busy_poll=config.busy_poll)
         self.heartbeat_s = config.heartbeat_interval_s
         self.peer_timeout_s = config.peer_timeout_s
         self.send_before_accept = config.send_before_accept

@@ -360,3 +360,33 @@ def test_receive_rails_each_take_their_share_and_stop_with_the_receiver(rails) -
     finally:
         rx.close()
     assert wait_until(lambda: not rail_threads(), 5)
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds ``thread`` has used so far."""
+    import time
+
+    assert thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def test_busy_poll_keeps_the_idle_io_thread_polling_and_the_default_sleeps() -> None:
+    """The latency mode's cost, as its cause: an idle receiver's I/O thread polls on in
+    latency mode (its CPU time grows with the wall clock), and sleeps on UCX's fd without it."""
+    spent = {}
+    for busy in (False, True):
+        others = set(threading.enumerate())  # earlier receivers' threads may still be ending
+        with Receiver(ReceivePool(1 << 20), config=TransportConfig(busy_poll=busy, rails=1)):
+            io = [t for t in threading.enumerate() if t.name == "lynx-rx-io" and t not in others]
+            assert len(io) == 1, io
+            before = _thread_cpu_s(io[0])
+            threading.Event().wait(0.5)
+            spent[busy] = _thread_cpu_s(io[0]) - before
+    assert spent[True] > 0.05, spent  # a share of a core, even on a loaded machine (quiet: ~0.5 s)
+    assert spent[True] > 5 * spent[False], spent
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_busy_poll_must_be_a_bool(bad) -> None:
+    with pytest.raises(ValueError, match="busy_poll"):
+        TransportConfig(busy_poll=bad)
