@@ -28,6 +28,7 @@ from lynx_bench.vllm.driver import VllmNode, free_port
 from tests.integration.vllm_env import vllm_python_or_skip
 from tests.integration.vllm_models import (
     answer_ok,
+    close_all,
     load_records,
     prompt_ids,
     start_instances,
@@ -58,11 +59,10 @@ class Nodes:
             "sync": dict(role="kv_consumer", extra={"stats_path": str(tmp / "sync.jsonl")}),
             "async": dict(role="kv_consumer", extra={"stats_path": str(tmp / "async.jsonl"), "load": "async"}),
         }
-        # vLLM's CPU worker binds itself (and so every Lynx thread it starts) to the CPUs of
-        # VLLM_CPU_OMP_THREADS_BIND, CPU 0 for one thread: an async load's receiver would share
-        # that one core with the worker's spinning step loop, and every instance with each other
-        self.nodes: dict[str, VllmNode] = start_instances(PYTHON, model, tmp, self.specs, ready_timeout_s=600,
-                                                          env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        # unbound (start_instances' default): vLLM's CPU worker would bind itself, and so every
+        # Lynx thread it starts, to CPU 0, where an async load's receiver would share one core
+        # with the worker's spinning step loop
+        self.nodes: dict[str, VllmNode] = start_instances(PYTHON, model, tmp, self.specs, ready_timeout_s=600)
 
     def __getitem__(self, name: str) -> VllmNode:
         return self.nodes[name]
@@ -71,8 +71,7 @@ class Nodes:
         return load_records(self.tmp / f"{mode}.jsonl")
 
     def close(self) -> None:
-        for node in self.nodes.values():
-            node.close()
+        close_all(self.nodes.values())
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,9 @@ import pytest
 from lynx_bench.vllm.driver import VllmNode, free_port
 from tests.integration.vllm_env import vllm_python_or_skip
 from tests.integration.vllm_models import (
+    UNBOUND,
     answer_ok,
+    close_all,
     load_records,
     prompt_ids,
     start_instances,
@@ -56,8 +58,7 @@ class Nodes:
         return self.nodes[name]
 
     def close(self) -> None:
-        for node in self.nodes.values():
-            node.close()
+        close_all(self.nodes.values())
 
 
 @pytest.fixture(scope="module")
@@ -156,15 +157,17 @@ def test_the_default_model_bf16_equals_vllm_and_lynx_equals_int8(tmp_path: Path)
     ids = _ok_prompt(model)
     with cf.ThreadPoolExecutor(2) as pool:
         pf = pool.submit(VllmNode, PYTHON, model, role="kv_producer", log=tmp_path / "producer.log",
-                         extra={"port": free_port(), "bandwidth_gbps": 1.0})
+                         extra={"port": free_port(), "bandwidth_gbps": 1.0}, env=UNBOUND)
         cf_ = pool.submit(VllmNode, PYTHON, model, role="kv_consumer", log=tmp_path / "consumer.log",
-                          extra={"stats_path": str(tmp_path / "loads.jsonl")})
+                          extra={"stats_path": str(tmp_path / "loads.jsonl")}, env=UNBOUND)
         producer, consumer = pf.result(), cf_.result()
-    with producer, consumer:
+    try:
         reference = answer_ok(consumer.generate(ids, 8))["token_ids"]
         params = answer_ok(producer.prefill(ids))["kv_transfer_params"]
         out = {s: answer_ok(consumer.generate(ids, 8, kv_transfer_params=with_scheme(params, s)))["token_ids"]
                for s in ("bf16", "int8", "lynx")}
+    finally:
+        close_all((producer, consumer))
     assert out["bf16"] == reference
     assert out["lynx"] == out["int8"]
     loads = load_records(tmp_path / "loads.jsonl")

@@ -5,12 +5,14 @@ Lynx scheme, the consumer's load records, and an answer that must carry no error
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-__all__ = ["answer_ok", "load_records", "prompt_ids", "tiny_llama", "with_scheme"]
+__all__ = ["UNBOUND", "answer_ok", "close_all", "load_records", "prompt_ids", "start_instances",
+           "tiny_llama", "with_scheme"]
 
 
 def tiny_llama(directory: Path, *, layers: int, kv_heads: int) -> Path:
@@ -53,11 +55,18 @@ def answer_ok(answer: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+#: What every test instance runs with: vLLM's CPU worker binds itself to CPU 0 when it has one
+#: thread (``lynx_bench.vllm.nodes``), so every instance of a test would share one core while
+#: the other idles; unbound, as the OpenAI servers of ``vllm_servers`` run.
+UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
 def start_instances(python: str, model: Path, logs: Path, specs: dict[str, dict[str, Any]], *,
                     ready_timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     """One :class:`~lynx_bench.vllm.driver.VllmNode` per spec (its keyword arguments), two
-    starting at a time (more at once do not start in time on two cores), logs in ``logs``;
-    every one that started is closed again when any fails (AssertionError naming each)."""
+    starting at a time (more at once do not start in time on two cores), logs in ``logs``,
+    :data:`UNBOUND` unless ``env`` says otherwise; every one that started is closed again
+    when any fails (AssertionError naming each)."""
     import concurrent.futures as cf
 
     from lynx_bench.vllm.driver import VllmNode
@@ -66,7 +75,7 @@ def start_instances(python: str, model: Path, logs: Path, specs: dict[str, dict[
     errors = []
     with cf.ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(VllmNode, python, model, log=logs / f"{name}.log",
-                                     ready_timeout_s=ready_timeout_s, **({"env": env} if env else {}), **spec)
+                                     ready_timeout_s=ready_timeout_s, env={**UNBOUND, **(env or {})}, **spec)
                    for name, spec in specs.items()}
         for name, future in futures.items():
             try:
@@ -74,7 +83,18 @@ def start_instances(python: str, model: Path, logs: Path, specs: dict[str, dict[
             except Exception as exc:
                 errors.append(f"{name}: {exc}")
     if errors:
-        for node in nodes.values():
-            node.close()
+        close_all(nodes.values())
         raise AssertionError("vLLM instances failed to start:\n" + "\n".join(errors))
     return nodes
+
+
+def close_all(nodes: Iterable[Any]) -> None:
+    """Close vLLM instances at once, not one after another: a graceful engine shutdown takes
+    several seconds of waiting, little of it on a CPU."""
+    import concurrent.futures as cf
+
+    nodes = list(nodes)
+    if nodes:
+        with cf.ThreadPoolExecutor(len(nodes)) as pool:
+            for future in [pool.submit(node.close) for node in nodes]:
+                future.result()
