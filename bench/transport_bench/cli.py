@@ -97,9 +97,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Lynx bytes-in-flight bound (default: TransportConfig's, 32)")
     parser.add_argument("--rails", type=int, default=None,
                         help="Lynx receive rails (default: TransportConfig's, 2)")
-    parser.add_argument("--busy-poll", action="store_true",
-                        help="Lynx in latency mode (TransportConfig.busy_poll: I/O threads that poll "
-                             "instead of sleeping, a core each)")
     parser.add_argument("--tls", default=None,
                         help="UCX_TLS for every UCX backend (default: TransportConfig's, ^posix,sysv)")
     parser.add_argument("--link-gbps", type=float, default=1.0,
@@ -143,7 +140,7 @@ def _config(args: argparse.Namespace) -> TransportConfig:
     args.rails = default.rails if args.rails is None else args.rails
     return TransportConfig(chunk_bytes=args.chunk_kib * 1024,
                            max_inflight_bytes=args.inflight_mib * MiB, ucx_tls=args.tls,
-                           rails=args.rails, busy_poll=args.busy_poll)
+                           rails=args.rails)
 
 
 def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
@@ -227,8 +224,7 @@ def run(args: argparse.Namespace) -> int:
             for size, s in sizes.items()))
     print(f"(messages of {d['message_bytes']} B, UCX_TLS={d['ucx_tls']}, error handling: "
           f"{d['ucx_error_handling']}; Lynx: {d['chunk_bytes']} B chunks, "
-          f"{d['max_inflight_bytes']} B in flight, {d['rails']} receive rails"
-          f"{', busy-polling I/O threads' if d.get('busy_poll') else ''}; "
+          f"{d['max_inflight_bytes']} B in flight, {d['rails']} receive rails; "
           f"send buffers: {d['send_buffers']})")
     for side in ("sender_lanes", "receiver_lanes"):
         for lane in d[side]:

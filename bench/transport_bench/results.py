@@ -97,7 +97,7 @@ def _details(record: Record, after: LynxAfterRounds, plan: Plan, config: Transpo
                         "and never written, like ucx_perftest's; *_written_gbps (NIXL's "
                         "too), asyncio_tcp_gbps: written",
         "chunk_bytes": config.chunk_bytes, "max_inflight_bytes": config.max_inflight_bytes,
-        "rails": config.rails, "busy_poll": config.busy_poll,
+        "rails": config.rails,
         "lynx_gbps_timing": "first chunk handed to UCX -> receiver's STREAM_DONE",
         "lynx_end_to_end_gbps": round(_median_gbps(nbytes, record.end_to_end_s), 3),
         "lynx_end_to_end_timing": "send_stream() -> receiver's STREAM_DONE (adds the "
