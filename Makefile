@@ -58,8 +58,8 @@ vllm-demo: $(STAMP) $(VLLM_STAMP)
 
 # vLLM's own serving benchmark (vllm bench serve) against each P/D configuration: none, lynx-bf16,
 # lynx-int8, lynx-lynx, nixl; 2048-token prompts, 20 requests each, rate 0.7 x the producer's
-# prefill throughput; --links 0.5,unshaped runs the transfers at 0.5 Gbit/s through a
-# `lynx link up --hosts 2` namespace link (needs root); writes vllm-bench-out/summary.json, a table
+# prefill throughput; at 0.5 Gbit/s through a `lynx link up --hosts 2` namespace link (needs root),
+# then unshaped (--links 0.5,unshaped); writes vllm-bench-out/summary.json, a table
 # and a plot. VLLM_BENCH_FLAGS passes more flags (e.g. --requests 3 --configs nixl,lynx-int8).
 .PHONY: vllm-bench
 vllm-bench: $(STAMP) $(VLLM_STAMP)

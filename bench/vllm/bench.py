@@ -3,7 +3,7 @@
 environment (``make vllm-env``)::
 
     python -m lynx_bench.vllm.bench --out vllm-bench-out [--prompt-tokens 2048] [--requests 20]
-        [--rate R|auto] [--configs none,lynx-bf16,lynx-int8,lynx-lynx,nixl] [--links unshaped]
+        [--rate R|auto] [--configs none,lynx-bf16,lynx-int8,lynx-lynx,nixl] [--links 0.5,unshaped]
 
 Configurations (every server a ``vllm.entrypoints.openai.api_server`` process, one thread):
 ``none``, one plain vLLM server; ``lynx-<scheme>[-async]``, a LynxConnector producer and
@@ -49,6 +49,7 @@ import contextlib
 import datetime
 import importlib.util
 import json
+import math
 import os
 import shlex
 import signal
@@ -77,6 +78,7 @@ from lynx_bench.vllm.bench_summary import (
     Connector,
     failed_row,
     fill_equal_to_int8,
+    metric,
     parse_configs,
     parse_links,
     parse_rate,
@@ -92,6 +94,12 @@ __all__ = ["main", "run"]
 
 ROOT = REPO_ROOT
 DEFAULT_CONFIGS = "none,lynx-bf16,lynx-int8,lynx-lynx,nixl"
+#: The default run's links: 0.5 Gbit/s through tc, then loopback.
+DEFAULT_LINKS = "0.5,unshaped"
+#: An asynchronous configuration's unloaded TPOT: this many requests, one at a time, on prompts
+#: of the run's seed plus :data:`UNLOADED_SEED`.
+UNLOADED_REQUESTS = 4
+UNLOADED_SEED = 1000
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -224,6 +232,7 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
     say(f"{name}: warm-up through {endpoint.name} (2 short requests)")
     for k in range(2):
         bench.complete(endpoint.url, bench.prompt_ids(64 + k, 11 + k), 2, f"warmup.{name}.{k}")
+    unloaded = _unloaded_tpot(bench, c, name, endpoint, align, run_dir)
     prefix = f"{name}-"
     say(f"{name}: vllm bench serve, {args.requests} requests of {args.prompt_tokens} tokens at "
         f"{request_rate:.4f}/s (Poisson, seed {args.seed})")
@@ -232,7 +241,7 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
     result = bench.benchmark(endpoint.url, align.url, request_rate, prefix, run_dir)
     records = _records(stats) if proxy is not None else None
     loads = _records(bench.out / "runs" / f"{tag}-consumer-loads.jsonl")
-    row = run_row(c, link, request_rate, args.requests, result, records, prefix)
+    row = run_row(c, link, request_rate, args.requests, result, records, prefix, tpot_unloaded=unloaded)
     results.rows.append(row)
     errs = result.get("errors") or []
     results.texts.append([None if (k < len(errs) and errs[k]) else t
@@ -244,6 +253,22 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
                              "errors": sorted({str(e)[:300] for e in errs if e}),
                              "ttft_breakdown_ms": ttft_breakdown(records or [], loads, prefix)}
     return row, proxy
+
+
+def _unloaded_tpot(bench: Bench, c: BenchConfig, name: str, endpoint: Server, align: Server,
+                   run_dir: Path) -> dict[str, float | None] | None:
+    """For an asynchronous configuration, the same consumer's TPOT with no load beside it:
+    :data:`UNLOADED_REQUESTS` requests one at a time through the same endpoint, on prompts of
+    another seed (so the measured run's prompts get no prefix-cache hit from them). None for the
+    other configurations."""
+    if c.load != "async":
+        return None
+    say(f"{name}: unloaded TPOT, {UNLOADED_REQUESTS} requests one at a time")
+    result = bench.benchmark(endpoint.url, align.url, math.inf, f"{name}-unloaded-", run_dir,
+                             requests=UNLOADED_REQUESTS, seed=bench.args.seed + UNLOADED_SEED, max_concurrency=1,
+                             name="unloaded")
+    tpot = metric(result, "tpot")
+    return {"median": tpot["median"], "p99": tpot["p99"]}
 
 
 def _summary_config(args: argparse.Namespace, rate: Rate, loadavg_start: tuple[float, float, float],
@@ -267,6 +292,9 @@ def _summary_config(args: argparse.Namespace, rate: Rate, loadavg_start: tuple[f
                                                  "(OMP_NUM_THREADS=1), VLLM_CPU_KVCACHE_SPACE=1",
             "consumer_ttft": "proxy decode_sent_at -> decode_first_byte_at (the decode leg's first "
                              "streamed token)",
+            "tpot_unloaded": f"async configurations: {UNLOADED_REQUESTS} requests one at a time (vLLM's "
+                             f"--max-concurrency 1) through the same proxy before the measured run, seed "
+                             f"{args.seed + UNLOADED_SEED}",
             "commit": _commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "cpus": os.cpu_count(), "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(),
             "errors": errors}
@@ -317,10 +345,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "from one prefill of the prompt length timed before the runs")
     p.add_argument("--configs", type=parse_configs, default=parse_configs(DEFAULT_CONFIGS), metavar="C,C",
                    help=f"none, nixl, lynx-<bf16|int8|int4|lynx>[-async] (default {DEFAULT_CONFIGS})")
-    p.add_argument("--links", type=parse_links, default=parse_links("unshaped"), metavar="L,L",
-                   help="unshaped (default: loopback) and/or rates in Gbit/s held by Lynx's own sender-side shaper "
-                        "only; NIXL at a shaped link and shaping with `lynx link up` namespaces are not in this "
-                        "version")
+    p.add_argument("--links", type=parse_links, default=parse_links(DEFAULT_LINKS), metavar="L,L",
+                   help="unshaped (loopback) and/or rates in Gbit/s, each held by tc on a `lynx link up --hosts 2` "
+                        f"namespace link that both connectors cross (needs root; default {DEFAULT_LINKS})")
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed (default %(default)s)")
     args = p.parse_args(argv)
     if args.prompt_tokens < 16:

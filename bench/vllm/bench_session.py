@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import shlex
@@ -130,22 +131,30 @@ class Bench:
             raise VllmNodeError(f"request {rid} to {url}: {answer.status_code} {answer.text[:300]}")
         return time.monotonic() - started
 
-    def benchmark(self, url: str, align_url: str, rate: float, prefix: str, run_dir: Path) -> dict[str, Any]:
-        """vLLM's benchmark against ``url``; its saved result (per-request texts included)."""
+    def benchmark(self, url: str, align_url: str, rate: float, prefix: str, run_dir: Path, *,
+                  requests: int | None = None, seed: int | None = None, max_concurrency: int | None = None,
+                  name: str = "bench") -> dict[str, Any]:
+        """vLLM's benchmark against ``url`` (``requests``, ``seed``: the run's, by default; ``rate``
+        may be ``inf``, with ``max_concurrency`` requests at a time); its saved result (per-request
+        texts included), as ``run_dir/<name>.json``."""
         a = self.args
+        requests = a.requests if requests is None else requests
+        seed = a.seed if seed is None else seed
         run_dir.mkdir(parents=True, exist_ok=True)
         argv = [str(self.python), "-m", "lynx_bench.vllm.bench_client", "--backend", "openai", "--base-url", url,
                 "--endpoint", "/v1/completions", "--model", str(a.model), "--served-model-name", MODEL_NAME,
                 "--tokenizer", str(a.model), "--dataset-name", "random", "--random-input-len", str(a.prompt_tokens),
                 "--random-output-len", str(OUTPUT_TOKENS), "--random-range-ratio", "0", "--num-prompts",
-                str(a.requests), "--request-rate", f"{rate:.6g}", "--burstiness", "1", "--seed", str(a.seed),
+                str(requests), "--request-rate", f"{rate:.6g}", "--burstiness", "1", "--seed", str(seed),
                 "--temperature", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
                 "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(run_dir),
-                "--result-filename", "bench.json", "--request-id-prefix", prefix, "--disable-tqdm",
+                "--result-filename", f"{name}.json", "--request-id-prefix", prefix, "--disable-tqdm",
                 "--align-url", align_url]
+        if max_concurrency is not None:
+            argv += ["--max-concurrency", str(max_concurrency)]
         argv = self.hosts.argv("client", argv)
-        bound = 2 * a.requests / rate + 900.0
-        log = run_dir / "bench.log"
+        bound = (2 * requests / rate if math.isfinite(rate) else 0.0) + 900.0
+        log = run_dir / f"{name}.log"
         with open(log, "wb") as out:
             out.write(f"$ {shlex.join(argv)}\n".encode())
             out.flush()
@@ -162,7 +171,7 @@ class Bench:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         if rc is None:
             raise VllmNodeError(f"the benchmark did not end within {bound:.0f} s (log {log}):\n{tail}")
-        result_path = run_dir / "bench.json"
+        result_path = run_dir / f"{name}.json"
         if not result_path.is_file():
             raise VllmNodeError(f"the benchmark exited with {rc} and saved no result (log {log}):\n{tail}")
         return dict(json.loads(result_path.read_text()))

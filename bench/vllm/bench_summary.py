@@ -10,7 +10,8 @@ across commits)::
      "link_gbps": float | null (unshaped), "link_shaping": "netns-tc|unshaped", "rate": float,
      "requests": n, "completed": n, "failed": n,
      "ttft_ms": {"mean", "median", "p99"}, "tpot_ms": {...}, "itl_ms": {...}, "e2el_ms": {...},
-     "consumer_ttft_ms": {"median", "p99"}, "equal_to_int8": bool | null}
+     "consumer_ttft_ms": {"median", "p99"}, "equal_to_int8": bool | null,
+     "tpot_unloaded_ms": {"median", "p99"} | null}
 
 ``ttft_ms`` ... ``e2el_ms`` are vLLM's (its ``--save-result`` JSON, the client's clock, the
 producer's prefill included). ``link_shaping`` (:func:`link_shaping`): ``netns-tc``, the
@@ -21,8 +22,11 @@ between them through tc's htb at ``link_gbps`` (Lynx's own shaper off); ``unshap
 answer's first token), per request from the proxy's records; null without a proxy (``none``).
 ``equal_to_int8``: for the ``lynx`` scheme, whether every request's text equals the ``int8``
 run's at the same link and load mode (same seeded prompts, greedy); null elsewhere or without
-an ``int8`` run. A configuration that could not run (e.g. NIXL not installed) has a row with
-``completed: 0``, its metrics null, and its exact error in ``config["errors"]``.
+an ``int8`` run. ``tpot_unloaded_ms``: for an asynchronous configuration, the same consumer's
+TPOT with no load beside it (a few requests one at a time through the same proxy, before the
+measured run), against which its loaded ``tpot_ms`` p99 is judged; null for the others. A
+configuration that could not run (e.g. NIXL not installed) has a row with ``completed: 0``, its
+metrics null, and its exact error in ``config["errors"]``.
 """
 
 from __future__ import annotations
@@ -207,15 +211,18 @@ def _median_p99(values: Sequence[float]) -> dict[str, float | None]:
 
 
 def run_row(config: BenchConfig, link_gbps: float | None, rate: float, requests: int, result: Mapping[str, Any],
-            proxy_records: Iterable[Mapping[str, Any]] | None, prefix: str) -> dict[str, Any]:
-    """One row of ``summary.json`` (``equal_to_int8`` left null: :func:`fill_equal_to_int8`)."""
+            proxy_records: Iterable[Mapping[str, Any]] | None, prefix: str, *,
+            tpot_unloaded: Mapping[str, float | None] | None = None) -> dict[str, Any]:
+    """One row of ``summary.json`` (``equal_to_int8`` left null: :func:`fill_equal_to_int8`);
+    ``tpot_unloaded``: the configuration's unloaded TPOT (``{"median", "p99"}``), if measured."""
     consumer = (_median_p99(consumer_ttfts(proxy_records, prefix)) if proxy_records is not None
                 else {"median": None, "p99": None})
     return {"connector": config.connector.value, "scheme": config.scheme, "load": config.load,
             "link_gbps": link_gbps, "link_shaping": link_shaping(link_gbps), "rate": rate, "requests": requests,
             "completed": int(result.get("completed", 0)),
             "failed": int(result.get("failed", requests - int(result.get("completed", 0)))),
-            **{f"{m}_ms": metric(result, m) for m in METRICS}, "consumer_ttft_ms": consumer, "equal_to_int8": None}
+            **{f"{m}_ms": metric(result, m) for m in METRICS}, "consumer_ttft_ms": consumer, "equal_to_int8": None,
+            "tpot_unloaded_ms": None if tpot_unloaded is None else dict(tpot_unloaded)}
 
 
 def failed_row(config: BenchConfig, link_gbps: float | None, rate: float | None, requests: int) -> dict[str, Any]:
@@ -225,7 +232,7 @@ def failed_row(config: BenchConfig, link_gbps: float | None, rate: float | None,
             "link_gbps": link_gbps, "link_shaping": link_shaping(link_gbps), "rate": rate, "requests": requests,
             "completed": 0, "failed": requests,
             **{f"{m}_ms": dict(none) for m in METRICS}, "consumer_ttft_ms": {"median": None, "p99": None},
-            "equal_to_int8": None}
+            "equal_to_int8": None, "tpot_unloaded_ms": None}
 
 
 def fill_equal_to_int8(rows: Sequence[dict[str, Any]], texts: Sequence[Sequence[str | None] | None]) -> None:
@@ -298,12 +305,13 @@ def _link(row: Mapping[str, Any]) -> str:
 
 
 def table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The runs as a fixed-width table (ms; ``-``: not measured)."""
+    """The runs as a fixed-width table (ms; ``-``: not measured; ``unl``: the unloaded TPOT p50)."""
     def ms(x: Any) -> str:
         return "-" if x is None else f"{x:.0f}"
 
     head = (f"{'config':<17} {'link':>8} {'rate/s':>7} {'ok/fail':>8} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
-            f"{'cons p50':>8} {'cons p99':>8} {'TPOT p50':>8} {'ITL p50':>7} {'E2EL p50':>8} {'=int8':>5}")
+            f"{'cons p50':>8} {'cons p99':>8} {'TPOT p50':>8} {'p99':>5} {'unl':>5} {'ITL p50':>7} {'E2EL p50':>8} "
+            f"{'=int8':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         eq = "-" if r["equal_to_int8"] is None else ("yes" if r["equal_to_int8"] else "NO")
@@ -311,7 +319,8 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(f"{_label(r):<17} {_link(r):>8} {rate:>7} {r['completed']:>4}/{r['failed']:<3} "
                      f"{ms(r['ttft_ms']['mean']):>9} {ms(r['ttft_ms']['median']):>7} {ms(r['ttft_ms']['p99']):>7} "
                      f"{ms(r['consumer_ttft_ms']['median']):>8} {ms(r['consumer_ttft_ms']['p99']):>8} "
-                     f"{ms(r['tpot_ms']['median']):>8} {ms(r['itl_ms']['median']):>7} "
+                     f"{ms(r['tpot_ms']['median']):>8} {ms(r['tpot_ms']['p99']):>5} "
+                     f"{ms((r.get('tpot_unloaded_ms') or {}).get('median')):>5} {ms(r['itl_ms']['median']):>7} "
                      f"{ms(r['e2el_ms']['median']):>8} {eq:>5}")
     return "\n".join(lines)
 

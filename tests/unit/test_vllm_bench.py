@@ -33,7 +33,7 @@ from lynx_bench.vllm.bench_summary import (
 FIXTURE = Path(__file__).parent / "data" / "vllm_bench_result.json"
 ROW_KEYS = {"connector", "scheme", "load", "link_gbps", "link_shaping",
             "rate", "requests", "completed", "failed", "ttft_ms",
-            "tpot_ms", "itl_ms", "e2el_ms", "consumer_ttft_ms", "equal_to_int8"}
+            "tpot_ms", "itl_ms", "e2el_ms", "consumer_ttft_ms", "equal_to_int8", "tpot_unloaded_ms"}
 INT8 = BenchConfig("lynx-int8", Connector.LYNX, "int8", "sync")
 LYNX = BenchConfig("lynx-lynx", Connector.LYNX, "lynx", "sync")
 
@@ -130,7 +130,17 @@ def test_a_row_takes_vllms_metrics_and_the_proxys_decode_leg_ttft() -> None:
     assert row["consumer_ttft_ms"]["median"] == pytest.approx(300.0)
     assert row["consumer_ttft_ms"]["p99"] == pytest.approx(398.0)
     assert row["equal_to_int8"] is None
+    assert row["tpot_unloaded_ms"] is None  # measured for asynchronous configurations only
     json.dumps(row)  # JSON as it is
+
+
+def test_an_asynchronous_row_carries_its_unloaded_tpot_and_the_table_shows_it() -> None:
+    unloaded = {"median": 41.0, "p99": 43.5}
+    row = run_row(BenchConfig("lynx-int8-async", Connector.LYNX, "int8", "async"), 0.5, 0.4, 3, result(), [],
+                  "x-", tpot_unloaded=unloaded)
+    assert row["tpot_unloaded_ms"] == unloaded and row["load"] == "async"
+    line = table([row]).splitlines()[2]
+    assert "lynx-int8-async" in line and " 41 " in line and " 55 " in line  # unloaded p50, loaded p99 (54.9)
 
 
 def test_a_row_without_a_proxy_has_no_consumer_ttft() -> None:
