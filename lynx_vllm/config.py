@@ -42,6 +42,14 @@ Keys (all optional except ``port`` on a producer):
     decoding meanwhile. On vLLM's CPU backend an async consumer's worker must not
     be bound to a single CPU (``VLLM_CPU_OMP_THREADS_BIND=nobind``; see
     :mod:`lynx_vllm.async_load`).
+``ucx_tls`` / ``ucx_net_devices``
+    The UCX transports and network devices of this instance's Lynx transport
+    (``UCX_TLS`` / ``UCX_NET_DEVICES`` syntax; default: the transport's own, see
+    :class:`~lynx_transport.config.TransportConfig`). The transport gives them to its
+    UCX context, which wins over ``UCX_*`` variables in the environment: to keep the
+    cache on one interface (an emulated or a chosen link), set ``"tcp"`` and the
+    device here. Left alone, two instances on one host move it by ``cma``, past any
+    qdisc on the link between them.
 ``stats_path``
     A JSON-lines file the consumer appends one record to per load (timestamps,
     bytes, outcome, ``load`` mode): what an operator or a test reads to see the overlap.
@@ -61,6 +69,7 @@ from lynx_decode.kvheader import cache_bytes
 from lynx_decode.model.geometry import LayerGeometry
 from lynx_decode.split_choice import choose_split_or_default
 from lynx_decode.timeouts import Timeouts
+from lynx_transport.config import TransportConfig
 from lynx_vllm.errors import ConnectorError
 
 __all__ = ["ConnectorConfig", "LoadMode", "Planes", "codec_config", "scheme_of", "planes_of", "load_mode_of",
@@ -70,7 +79,8 @@ __all__ = ["ConnectorConfig", "LoadMode", "Planes", "codec_config", "scheme_of",
 Planes = tuple[int, ...] | Literal["auto"]
 
 _KEYS = frozenset({"host", "port", "scheme", "planes", "bandwidth_gbps", "timeout_s", "peer_timeout_s",
-                   "connect_timeout_s", "max_prefills", "hold_s", "stats_path", "load"})
+                   "connect_timeout_s", "max_prefills", "hold_s", "stats_path", "load", "ucx_tls",
+                   "ucx_net_devices"})
 
 
 class LoadMode(enum.Enum):
@@ -120,6 +130,14 @@ def planes_of(value: Any) -> Planes:
         raise ConnectorError(f"planes: {exc}") from None
 
 
+def _ucx_setting(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConnectorError(f"{name} must be a non-empty string in UCX's syntax (e.g. \"tcp\"), got {value!r}")
+    return value
+
+
 def _positive(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConnectorError(f"{name} must be a positive number, got {value!r}")
@@ -142,6 +160,8 @@ class ConnectorConfig:
     hold_s: float = 60.0
     stats_path: str | None = None
     load: LoadMode = LoadMode.SYNC
+    ucx_tls: str | None = None
+    ucx_net_devices: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, *, producer: bool) -> ConnectorConfig:
@@ -173,10 +193,19 @@ class ConnectorConfig:
             hold_s=_positive("hold_s", extra.get("hold_s", 60.0)),
             stats_path=None if extra.get("stats_path") is None else str(extra["stats_path"]),
             load=load_mode_of(extra.get("load", LoadMode.SYNC.value)),
+            ucx_tls=_ucx_setting("ucx_tls", extra.get("ucx_tls")),
+            ucx_net_devices=_ucx_setting("ucx_net_devices", extra.get("ucx_net_devices")),
         )
 
     def timeouts(self) -> Timeouts:
         return Timeouts(connect_s=self.connect_timeout_s, peer_s=self.peer_timeout_s, stream_s=self.timeout_s)
+
+    def transport_config(self) -> TransportConfig:
+        """The Lynx transport's settings: its defaults, with ``ucx_tls`` / ``ucx_net_devices`` where set
+        (the timeouts are applied by whoever holds :meth:`timeouts`)."""
+        base = TransportConfig()
+        return dataclasses.replace(base, ucx_tls=self.ucx_tls or base.ucx_tls,
+                                   ucx_net_devices=self.ucx_net_devices or base.ucx_net_devices)
 
     def request_codec(self, params: Mapping[str, Any] | None) -> tuple[Scheme, Planes]:
         """The scheme and planes a load asks for: the request's ``kv_transfer_params["lynx"]``

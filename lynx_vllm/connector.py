@@ -180,7 +180,7 @@ class LynxConnector(KVConnectorBase_V1):
             self._expiry.start()
             rate = None if self.config.bandwidth_gbps is None else Rate(self.config.bandwidth_gbps, BURST_BYTES)
             self._node = PrefillNode(self._held, host=self.config.host, port=self.config.port, timeouts=timeouts,
-                                     memory_cache=0, link_rate=rate)
+                                     config=self.config.transport_config(), memory_cache=0, link_rate=rate)
             log.info("LynxConnector producer serving %s:%d (link %s)", *self._node.address,
                      "unshaped" if rate is None else f"{self.config.bandwidth_gbps:g} Gbit/s")
         if self._consumer:

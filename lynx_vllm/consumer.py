@@ -101,7 +101,7 @@ class KVLoader:
         self.info = info
         self.config = config
         self.timeouts = config.timeouts()
-        self._transport_config = self.timeouts.transport(None)
+        self._transport_config = self.timeouts.transport(config.transport_config())
         self._transport = transport
         self._ids = itertools.count(1)
         self._nonce = f"{os.getpid():x}-{time.time_ns() & 0xFFFFFF:x}"

@@ -82,11 +82,14 @@ from lynx_bench.vllm.bench_summary import (
     parse_configs,
     parse_links,
     parse_rate,
+    percentile,
     plot_ttft,
     rate_rule,
     run_row,
+    shaping_error,
     table,
     ttft_breakdown,
+    wire_gbps,
 )
 from lynx_bench.vllm.driver import INSTALL_HINT, REPO_ROOT, vllm_python
 
@@ -252,6 +255,12 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
                              "loadavg_after": os.getloadavg(),
                              "errors": sorted({str(e)[:300] for e in errs if e}),
                              "ttft_breakdown_ms": ttft_breakdown(records or [], loads, prefix)}
+    rates = wire_gbps(records or [], loads, prefix)
+    results.details[name]["wire_gbps"] = {"median": percentile(rates, 50) if rates else None, "n": len(rates)}
+    why = shaping_error(link, rates)
+    if why is not None:
+        say(f"{name}: NOT SHAPED: {why}")
+        results.errors.append({"config": c.name, "link_gbps": link, "error": f"not shaped: {why}"})
     return row, proxy
 
 

@@ -30,7 +30,7 @@ from lynx_bench.vllm.bench_summary import BenchConfig, Connector, auto_rate
 from lynx_bench.vllm.driver import free_port, numba_cache_env
 
 __all__ = ["LINK_PREFIX", "MODEL_NAME", "NIXL_EXTRA", "OUTPUT_TOKENS", "Bench", "Rate", "nixl_env", "nixl_error",
-           "placed", "say", "start_group"]
+           "lynx_ucx", "placed", "say", "start_group"]
 
 MODEL_NAME = "smollm2"
 OUTPUT_TOKENS = 16
@@ -208,6 +208,16 @@ class Rate:
         return self.value
 
 
+def lynx_ucx(ucx_env: dict[str, str] | None) -> dict[str, str]:
+    """LynxConnector's UCX settings on a namespace link (its ``ucx_env``; none on loopback). The
+    variables alone do not hold Lynx to the link: its transport hands UCX's context its own
+    transports (``TransportConfig.ucx_tls``), which win over ``UCX_*``, and two servers on one host
+    then move the cache by ``cma``, past tc. So the connector is told too."""
+    if ucx_env is None:
+        return {}
+    return {"ucx_tls": ucx_env["UCX_TLS"], "ucx_net_devices": ucx_env["UCX_NET_DEVICES"]}
+
+
 def start_group(bench: Bench, group: list[BenchConfig], link: float | None, tag: str) -> tuple[Server, Server | None]:
     """Start a configuration group's vLLM servers (ready): (the prefill or only server, the consumer)."""
     first = group[0]
@@ -219,7 +229,8 @@ def start_group(bench: Bench, group: list[BenchConfig], link: float | None, tag:
     hosts = bench.hosts
     if first.connector is Connector.LYNX:
         # a shaped link is tc's on the namespace link (Hosts): Lynx's own shaper stays off
-        extra: dict[str, Any] = {"host": hosts.address("producer"), "port": free_port()}
+        extra: dict[str, Any] = {"host": hosts.address("producer"), "port": free_port(),
+                                 **lynx_ucx(hosts.ucx_env("producer"))}
         transfer: dict[str, Any] = {"kv_connector": "LynxConnector",
                                     "kv_connector_module_path": "lynx_vllm.connector",
                                     "kv_load_failure_policy": "fail"}
@@ -229,7 +240,7 @@ def start_group(bench: Bench, group: list[BenchConfig], link: float | None, tag:
         loads = bench.out / "runs" / f"{tag}-consumer-loads.jsonl"
         consumer = bench.vllm(f"{tag}-consumer", {**transfer, "kv_role": "kv_consumer", "kv_connector_extra_config":
                                                   {"host": hosts.address("consumer"), "stats_path": str(loads),
-                                                   "load": first.load}},
+                                                   "load": first.load, **lynx_ucx(hosts.ucx_env("consumer"))}},
                               hosts.ucx_env("consumer"), "consumer")
     else:
         transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",

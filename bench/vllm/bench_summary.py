@@ -44,7 +44,8 @@ from typing import Any
 __all__ = ["Connector", "BenchConfig", "CONFIG_NAMES", "SCHEMES", "AUTO_RATE_FRACTION", "parse_configs",
            "parse_links", "parse_rate", "link_shaping", "LINK_SHAPINGS",
            "auto_rate", "rate_rule", "percentile", "metric", "consumer_ttfts",
-           "run_row", "failed_row", "fill_equal_to_int8", "ttft_breakdown", "table", "plot_ttft", "main"]
+           "run_row", "failed_row", "fill_equal_to_int8", "ttft_breakdown", "wire_gbps", "SHAPING_SLACK",
+           "shaping_error", "table", "plot_ttft", "main"]
 
 #: The schemes the proxy's ``--scheme`` takes.
 SCHEMES = ("bf16", "int8", "int4", "lynx")
@@ -293,6 +294,41 @@ def ttft_breakdown(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[M
             add("transfer", load.get("requested_at"), load.get("last_layer_landed_at"))
             add("first_step", load.get("last_layer_landed_at"), r.get("decode_first_byte_at"))
     return {k: {**_median_p99(v), "n": float(len(v))} for k, v in parts.items()}
+
+
+def wire_gbps(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],
+              prefix: str) -> list[float]:
+    """The rate each of a run's loads crossed the link at, in Gbit/s: its ``bytes_on_wire`` over the
+    time from its header to its last layer landed (the consumer's records, matched as in
+    :func:`ttft_breakdown`); loads that failed or carry no times are left out."""
+    loads = [rec for rec in loads if rec.get("requested_at") is not None]
+    out = []
+    for r in proxy_records:
+        if not str(r.get("request_id", "")).startswith(prefix) or r.get("error") is not None:
+            continue
+        load = _load_of(r, loads)
+        if load is None or load.get("error") is not None:
+            continue
+        start, end, nbytes = load.get("header_at"), load.get("last_layer_landed_at"), load.get("bytes_on_wire")
+        if start is not None and end is not None and nbytes and end > start:
+            out.append(nbytes * 8 / (end - start) / 1e9)
+    return out
+
+
+#: A shaped run whose loads' median rate beats its link by more than this factor did not cross it.
+SHAPING_SLACK = 1.1
+
+
+def shaping_error(link_gbps: float | None, rates: Sequence[float]) -> str | None:
+    """Why a run's rows cannot be read as shaped (its loads' median rate over ``link_gbps`` x
+    :data:`SHAPING_SLACK`: the bytes took another path than the link), or None."""
+    if link_gbps is None or not rates:
+        return None
+    median = percentile(rates, 50)
+    if median <= link_gbps * SHAPING_SLACK:
+        return None
+    return (f"its loads crossed at {median:.2f} Gbit/s (median of {len(rates)}), faster than the "
+            f"{link_gbps:g} Gbit/s link: the bytes did not go through it")
 
 
 def _label(row: Mapping[str, Any]) -> str:

@@ -26,8 +26,10 @@ from lynx_bench.vllm.bench_summary import (
     percentile,
     rate_rule,
     run_row,
+    shaping_error,
     table,
     ttft_breakdown,
+    wire_gbps,
 )
 
 FIXTURE = Path(__file__).parent / "data" / "vllm_bench_result.json"
@@ -222,6 +224,36 @@ def test_the_breakdown_finds_each_requests_own_load_among_ids_that_contain_it() 
     assert parts["transfer"]["median"] == pytest.approx(200.0)
     assert parts["first_step"]["median"] == pytest.approx(80.0)
     assert parts["consumer_ttft"]["median"] == pytest.approx(300.0)
+
+
+def test_a_shaped_run_whose_loads_beat_the_link_is_named_not_shaped() -> None:
+    """The loads' own rate (bytes over header to last layer) says whether they crossed the link:
+    25 MB in 0.1 s is 2 Gbit/s, which no 0.5 Gbit/s link carries; 25 MB in 0.45 s is."""
+    records = [proxied(f"lynx-int8-0.5G-{i}", 10.0 * i, 10.0 * i + 0.5) for i in range(1, 4)]
+
+    def loads(seconds: float) -> list[dict[str, Any]]:
+        return [{"request_id": f"cmpl-lynx-int8-0.5G-{i}-0-aa", "requested_at": 10.0 * i + 0.01,
+                 "header_at": 10.0 * i + 0.02, "last_layer_landed_at": 10.0 * i + 0.02 + seconds,
+                 "bytes_on_wire": 25_000_000, "error": None} for i in range(1, 4)]
+
+    fast = wire_gbps(records, loads(0.1), "lynx-int8-0.5G-")
+    assert fast == pytest.approx([2.0] * 3)
+    why = shaping_error(0.5, fast) or ""
+    assert "2.00 Gbit/s" in why and "did not go through it" in why
+    held = wire_gbps(records, loads(0.45), "lynx-int8-0.5G-")
+    assert shaping_error(0.5, held) is None
+    assert shaping_error(None, fast) is None  # loopback: nothing to hold
+    assert shaping_error(0.5, []) is None     # no loads (NIXL, none): nothing to judge by
+
+
+def test_lynx_servers_on_a_link_pin_their_own_ucx_to_its_veth() -> None:
+    """Lynx's transport gives UCX's context its own transports, which win over UCX_TLS: the
+    connector must be told, or two servers on one host move the cache by cma past tc."""
+    from lynx_bench.vllm.bench_session import lynx_ucx
+
+    assert lynx_ucx(None) == {}
+    assert lynx_ucx({"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lynxvb-tx0"}) == {"ucx_tls": "tcp",
+                                                                             "ucx_net_devices": "lynxvb-tx0"}
 
 
 def test_the_table_has_one_fixed_width_line_per_row() -> None:

@@ -13,6 +13,7 @@ from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import DecodeError
 from lynx_decode.kvencode import EncodedSource, encode_cache
 from lynx_decode.model.protocol import ModelInfo
+from lynx_transport.config import TransportConfig
 from lynx_vllm import paged
 from lynx_vllm.config import ConnectorConfig, prepared_forms, resolve_split
 from lynx_vllm.errors import ConnectorError
@@ -43,6 +44,16 @@ def test_config_defaults_and_overrides() -> None:
     assert c.timeouts().stream_s == 30.0
 
 
+def test_ucx_settings_reach_the_transport_and_default_to_its_own() -> None:
+    """On an emulated link the cache must cross the link's device: the transport hands its
+    UCX context these settings, which win over UCX_* variables (so the environment cannot)."""
+    default = ConnectorConfig.from_extra({}, producer=False).transport_config()
+    assert (default.ucx_tls, default.ucx_net_devices) == (TransportConfig().ucx_tls, TransportConfig().ucx_net_devices)
+    pinned = ConnectorConfig.from_extra({"port": 1, "ucx_tls": "tcp", "ucx_net_devices": "lynxvb-tx0"},
+                                        producer=True).transport_config()
+    assert (pinned.ucx_tls, pinned.ucx_net_devices) == ("tcp", "lynxvb-tx0")
+
+
 @pytest.mark.parametrize(("extra", "producer", "message"), [
     ({}, True, "a producer needs a fixed port"),
     ({"port": 1, "colour": "red"}, True, "unknown LynxConnector settings ['colour']"),
@@ -52,6 +63,8 @@ def test_config_defaults_and_overrides() -> None:
     ({"bandwidth_gbps": 0}, False, "bandwidth_gbps must be a positive number"),
     ({"port": 70000}, False, "port must be an int in 0..65535"),
     ({"max_prefills": 0}, False, "max_prefills must be an int >= 1"),
+    ({"ucx_tls": ""}, False, "ucx_tls must be a non-empty string"),
+    ({"ucx_net_devices": 3}, False, "ucx_net_devices must be a non-empty string"),
 ])
 def test_config_errors_name_the_key(extra: dict, producer: bool, message: str) -> None:
     with pytest.raises(ConnectorError, match=message.replace("[", r"\[").replace("]", r"\]")):
