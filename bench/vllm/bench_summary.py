@@ -37,7 +37,7 @@ import enum
 import math
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +265,18 @@ def _load_of(proxied: Mapping[str, Any], loads: Sequence[Mapping[str, Any]]) -> 
     return found[0] if found else None
 
 
+def _proxied_loads(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],
+                   prefix: str) -> Iterator[tuple[Mapping[str, Any], Mapping[str, Any] | None]]:
+    """A run's requests that the proxy answered (their ids start with ``prefix``), each with its
+    consumer load (:func:`_load_of`), or None when there is none or it failed."""
+    loads = [rec for rec in loads if rec.get("requested_at") is not None]
+    for r in proxy_records:
+        if not str(r.get("request_id", "")).startswith(prefix) or r.get("error") is not None:
+            continue
+        load = _load_of(r, loads)
+        yield r, (load if load is not None and load.get("error") is None else None)
+
+
 def ttft_breakdown(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],
                    prefix: str) -> dict[str, dict[str, float | None]]:
     """Where each request's TTFT goes, medians and p99 in ms: ``prefill`` (the proxy's prefill leg,
@@ -273,7 +285,6 @@ def ttft_breakdown(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[M
     layer landed), ``first_step`` (last layer landed to the decode leg's first bytes), and
     ``consumer_ttft`` (decode leg sent to its first bytes). ``loads``: the consumer's ``stats_path``
     records (LynxConnector); the pull's parts are absent without them."""
-    loads = [rec for rec in loads if rec.get("requested_at") is not None]
     parts: dict[str, list[float]] = {k: [] for k in ("prefill", "handoff", "to_pull", "transfer", "first_step",
                                                      "consumer_ttft")}
 
@@ -281,15 +292,11 @@ def ttft_breakdown(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[M
         if start is not None and end is not None:
             parts[key].append((end - start) * 1000)
 
-    for r in proxy_records:
-        rid = str(r.get("request_id", ""))
-        if not rid.startswith(prefix) or r.get("error") is not None:
-            continue
+    for r, load in _proxied_loads(proxy_records, loads, prefix):
         add("prefill", r.get("prefill_sent_at"), r.get("prefill_answered_at"))
         add("handoff", r.get("prefill_answered_at"), r.get("decode_sent_at"))
         add("consumer_ttft", r.get("decode_sent_at"), r.get("decode_first_byte_at"))
-        load = _load_of(r, loads)
-        if load is not None and load.get("error") is None:
+        if load is not None:
             add("to_pull", r.get("decode_sent_at"), load.get("requested_at"))
             add("transfer", load.get("requested_at"), load.get("last_layer_landed_at"))
             add("first_step", load.get("last_layer_landed_at"), r.get("decode_first_byte_at"))
@@ -301,13 +308,9 @@ def wire_gbps(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mappin
     """The rate each of a run's loads crossed the link at, in Gbit/s: its ``bytes_on_wire`` over the
     time from its header to its last layer landed (the consumer's records, matched as in
     :func:`ttft_breakdown`); loads that failed or carry no times are left out."""
-    loads = [rec for rec in loads if rec.get("requested_at") is not None]
     out = []
-    for r in proxy_records:
-        if not str(r.get("request_id", "")).startswith(prefix) or r.get("error") is not None:
-            continue
-        load = _load_of(r, loads)
-        if load is None or load.get("error") is not None:
+    for _, load in _proxied_loads(proxy_records, loads, prefix):
+        if load is None:
             continue
         start, end, nbytes = load.get("header_at"), load.get("last_layer_landed_at"), load.get("bytes_on_wire")
         if start is not None and end is not None and nbytes and end > start:
