@@ -41,7 +41,7 @@ Keys (all optional except ``port`` on a producer):
     request is scheduled once all of it is in place, and the other requests keep
     decoding meanwhile. On vLLM's CPU backend an async consumer's worker must not
     be bound to a single CPU (``VLLM_CPU_OMP_THREADS_BIND=nobind``; see
-    :mod:`lynx_vllm.async_load`).
+    :mod:`lynx_vllm.load_threads`).
 ``ucx_tls`` / ``ucx_net_devices``
     The UCX transports and network devices of this instance's Lynx transport
     (``UCX_TLS`` / ``UCX_NET_DEVICES`` syntax; default: the transport's own, see

@@ -20,12 +20,14 @@ either way).
 Consumer (``kv_consumer``): a request whose ``kv_transfer_params`` name a producer
 loads its first ``n - 1`` prompt tokens. With ``load: "sync"`` (the default) the
 load is synchronous in vLLM's terms: the forward pass that computes the last
-prompt token starts at once, and ``wait_for_layer_load`` waits inside it for
-exactly the layer it needs, so the transfer and the forward overlap layer by
-layer (and the rest of the batch waits with it). With ``load: "async"``
+prompt token starts at once, a Lynx thread writes each layer into the request's
+blocks as it lands (:mod:`lynx_vllm.load_threads`), and ``wait_for_layer_load``
+waits inside the forward for exactly the layer it needs to be written, so the
+transfer, the writes and the forward overlap layer by layer (and the rest of the
+batch waits with it). With ``load: "async"``
 ``get_num_new_matched_tokens`` answers ``(n - 1, True)``: vLLM parks the request,
 ``start_load_kv`` sends the pull, a Lynx thread writes each layer into the
-request's blocks as it lands (:mod:`lynx_vllm.async_load`), ``get_finished``
+request's blocks as it lands, ``get_finished``
 reports the request once every plane of every layer is in place, and the
 request is scheduled then, for its last prompt token; ``wait_for_layer_load``
 never waits for it. A load that fails reports the request's blocks through
@@ -59,10 +61,10 @@ from lynx_decode.model.store import directory_model_id
 from lynx_decode.prefill_node import PrefillNode
 from lynx_transport import Rate
 from lynx_vllm import paged
-from lynx_vllm.async_load import AsyncLoads
 from lynx_vllm.config import ConnectorConfig, LoadMode, prepared_forms
-from lynx_vllm.consumer import KVLoader, Load
+from lynx_vllm.consumer import KVLoader
 from lynx_vllm.errors import ConnectorError, LoadError
+from lynx_vllm.load_threads import LoadJob, LoadThreads
 from lynx_vllm.plan import ConsumerPlan, LoadSpec, ProducerPlan, SaveSpec, producer_params
 from lynx_vllm.producer import HeldPrefills
 
@@ -138,8 +140,8 @@ class LynxConnector(KVConnectorBase_V1):
         self._expiry: threading.Thread | None = None
         self._node: PrefillNode | None = None
         self._loader: KVLoader | None = None
-        self._async_loads: AsyncLoads | None = None
-        self._active: list[tuple[LoadSpec, Load]] = []
+        self._threads: LoadThreads | None = None
+        self._active: list[LoadJob] = []  # this step's synchronous loads
         self._load_errors: set[int] = set()
         log.info("LynxConnector %s (%s) for %s: %s", role.name.lower(), transfer.kv_role, self._model_id, self.config)
 
@@ -187,8 +189,7 @@ class LynxConnector(KVConnectorBase_V1):
             # a kv_both instance's receiver takes any free port: the fixed one is its prefill node's
             own = dataclasses.replace(self.config, port=0 if self._producer else self.config.port)
             self._loader = KVLoader(info, own)
-            if self._async:
-                self._async_loads = AsyncLoads(self._loader, len(kv_caches), self._write_layer)
+            self._threads = LoadThreads(self._loader, len(kv_caches), self._write_layer)
             log.info("LynxConnector consumer receiving on %s:%d (%s loads)", *self._loader.address,
                      self.config.load.value)
 
@@ -204,19 +205,18 @@ class LynxConnector(KVConnectorBase_V1):
         assert isinstance(meta, LynxConnectorMetadata)
         if not meta.loads:
             return
-        if self._loader is None:
+        if self._threads is None:
             raise ConnectorError("a load was scheduled on an instance that is not a kv_consumer")
-        for spec in meta.loads:
-            if self._async_loads is not None:  # the pull goes now; a Lynx thread writes the layers
-                self._async_loads.submit(spec)
-                continue
-            load = self._loader.start(spec.request_id, spec.transfer.producer, spec.prompt_ids,
-                                      scheme=spec.scheme, planes=spec.planes)
-            self._active.append((spec, load))
+        for spec in meta.loads:  # the pull goes now; a Lynx thread writes the layers as they land
+            if self._async:
+                self._threads.submit(spec)
+            else:
+                self._active.append(self._threads.start(spec))
 
     def _write_layer(self, spec: LoadSpec, index: int, k: Any, v: Any) -> None:
-        """An asynchronous load's write (a load thread): layer ``index`` into the request's own blocks
-        only (``spec.own_blocks``), in inference mode as vLLM's forward writes (torch's mode is per thread)."""
+        """A load thread's write: layer ``index`` into the request's blocks (an asynchronous load's own
+        blocks only, ``spec.own_blocks``), in inference mode as vLLM's forward writes (torch's mode is
+        per thread)."""
         with torch.inference_mode():
             paged.scatter(self._kv_layers[index], spec.block_ids, spec.start, k[:, spec.start : spec.end],
                           v[:, spec.start : spec.end], allowed=spec.own_blocks, layout=self._layout)
@@ -225,9 +225,9 @@ class LynxConnector(KVConnectorBase_V1):
         """Asynchronous loads whose cache is in place (every plane of every layer written), or that
         failed or were cancelled: their request ids as finished receiving, the failed ones' blocks
         queued for this same step's ``get_block_ids_with_load_errors``."""
-        if self._async_loads is None:
+        if not self._async or self._threads is None:
             return None, None
-        ended, failed = self._async_loads.collect(finished_req_ids)
+        ended, failed = self._threads.collect(finished_req_ids)
         for spec in failed:
             self._fail_blocks(spec)
         return None, ended or None
@@ -238,22 +238,12 @@ class LynxConnector(KVConnectorBase_V1):
         index = self._layer_index.get(layer_name)
         if index is None:
             return
-        assert self._loader is not None
-        kv = self._kv[layer_name]
-        for spec, load in self._active:
+        assert self._threads is not None
+        for job in self._active:
             if index == 0:
-                load.times.setdefault("forward_started_at", time.time())
-            if load.failed:  # its pull or an earlier layer failed: _finish_loads reports its blocks
-                continue
-            try:
-                k, v = self._loader.layer(load, index)
-                paged.scatter(kv, spec.block_ids, spec.start, k[:, spec.start : spec.end], v[:, spec.start : spec.end],
-                              layout=self._layout)
-                load.tokens_loaded = spec.end - spec.start
-            except LoadError:
-                pass  # the load is marked failed
-            except Exception as exc:  # noqa: BLE001 - any failure of a load fails that request, not the engine
-                self._loader.fail(load, LoadError(f"writing layer {index}: {type(exc).__name__}: {exc}"))
+                job.load.times.setdefault("forward_started_at", time.time())
+            # False: the pull or a layer failed, and _finish_loads reports the load's blocks
+            self._threads.wait_written(job, index)
         if index == len(self._layer_index) - 1:
             self._finish_loads()
 
@@ -264,8 +254,10 @@ class LynxConnector(KVConnectorBase_V1):
     def _finish_loads(self) -> None:
         """End the step's loads (after the last layer, or in wait_for_save if the forward stopped short):
         a load short of a layer fails, and every failed load's blocks go to vLLM."""
-        assert self._loader is not None
-        for spec, load in self._active:
+        assert self._loader is not None and self._threads is not None
+        for job in self._active:
+            self._threads.end(job)  # its thread is out: nothing of it writes after this
+            spec, load = job.spec, job.load
             if not load.failed and load.layers_loaded < len(self._layer_index):
                 self._loader.fail(load, LoadError(f"only {load.layers_loaded} of {len(self._layer_index)} "
                                                    "layers were loaded in the step"))
@@ -314,9 +306,9 @@ class LynxConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._stopped.set()
-        if self._async_loads is not None:
-            self._async_loads.close()
-            self._async_loads = None
+        if self._threads is not None:
+            self._threads.close()
+            self._threads = None
         if self._expiry is not None:
             self._expiry.join(1.0)
             self._expiry = None

@@ -5,11 +5,11 @@ with the prompt's token ids, the scheme and this loader's receiver address) to
 the producer's prefill node; the cache comes back as a Lynx KV stream
 (:mod:`lynx_decode.kvheader`) into this loader's pre-registered receive pool,
 anchors first. :meth:`KVLoader.layer` waits for exactly one layer (every plane
-of it: the connector loads the exact cache) and decodes it. A synchronous load
-(``load: "sync"``) calls it from vLLM's ``wait_for_layer_load``, inside the
-forward pass, so the first forward overlaps the transfer layer by layer; an
-asynchronous one (``load: "async"``) from a Lynx thread of
-:class:`~lynx_vllm.async_load.AsyncLoads`, outside any forward.
+of it: the connector loads the exact cache) and decodes it, on a Lynx thread of
+:class:`~lynx_vllm.load_threads.LoadThreads` that writes each layer as it lands:
+for a synchronous load (``load: "sync"``) while vLLM's forward waits for it in
+``wait_for_layer_load``, so the first forward overlaps the transfer layer by
+layer; for an asynchronous one (``load: "async"``) outside any forward.
 
 Every failure is a :class:`~lynx_vllm.errors.LoadError` that comes at once, never
 after a wait past the configured bounds: a refusal from the producer (its error

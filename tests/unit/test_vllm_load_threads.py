@@ -1,10 +1,13 @@
-"""Asynchronous loads (``load: "async"``) without vLLM: a real producer (``HeldPrefills`` behind a
-``PrefillNode``) and a real ``KVLoader`` over the in-memory transport, writing into CPU paged
-blocks laid out as vLLM's, through :class:`lynx_vllm.async_load.AsyncLoads` (Lynx's main
-environment). What vLLM's base class asks of an asynchronous connector: a load is reported
-finished only once every layer is written, a failure's blocks come with (not after) its report,
-an aborted request's load stops writing and is still reported, and nothing outside the
-request's own blocks is touched."""
+"""Load threads without vLLM: a real producer (``HeldPrefills`` behind a ``PrefillNode``) and a
+real ``KVLoader`` over the in-memory transport, writing into CPU paged blocks laid out as vLLM's,
+through :class:`lynx_vllm.load_threads.LoadThreads` (Lynx's main environment).
+
+Asynchronous loads (``load: "async"``), what vLLM's base class asks of an asynchronous connector:
+a load is reported finished only once every layer is written, a failure's blocks come with (not
+after) its report, an aborted request's load stops writing and is still reported, and nothing
+outside the request's own blocks is touched. Synchronous loads (the default): the thread writes
+each layer as it lands, ahead of the forward that waits for it, and is out (no write can follow)
+once the connector ends the load, whether the load failed or the forward stopped short."""
 
 from __future__ import annotations
 
@@ -24,10 +27,10 @@ from lynx_decode.model.protocol import ModelInfo
 from lynx_decode.prefill_node import PrefillNode
 from lynx_transport.testing import MemoryTransport, wait_until
 from lynx_vllm import paged
-from lynx_vllm.async_load import AsyncLoads
 from lynx_vllm.config import ConnectorConfig, LoadMode, prepared_forms
 from lynx_vllm.consumer import KVLoader
 from lynx_vllm.errors import ConnectorError
+from lynx_vllm.load_threads import LoadThreads
 from lynx_vllm.plan import ConsumerPlan, LoadSpec, Transfer, producer_params
 from lynx_vllm.producer import HeldPrefills
 
@@ -106,9 +109,11 @@ class Bench:
         self.kv = [torch.zeros((16, HEADS, BLOCK, 2 * DIM), dtype=torch.bfloat16) for _ in range(LAYERS)]
         self.gates: dict[int, threading.Event] = {}
         self.written: list[tuple[str, int]] = []
-        self.loads = AsyncLoads(self.loader, LAYERS, self.write)
+        self.entered: list[tuple[str, int]] = []  # writes begun (a gated one waits after this)
+        self.loads = LoadThreads(self.loader, LAYERS, self.write)
 
     def write(self, spec: LoadSpec, index: int, k: Any, v: Any) -> None:
+        self.entered.append((spec.request_id, index))
         gate = self.gates.get(index)
         if gate is not None:
             assert gate.wait(WAIT_S)
@@ -186,27 +191,35 @@ def test_a_load_is_reported_only_once_every_layer_is_written_into_its_own_blocks
     assert bench.loads.pending() == 0
 
 
-def test_async_writes_what_a_sync_load_decodes(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
-    """LYNX (both planes of every layer) through the load thread = the loader's own decode, as the
-    synchronous path writes it inside the forward; both pulls are served from the form the producer
-    encoded as each layer was saved, not encoded at the pull."""
+def test_async_writes_what_a_sync_load_writes(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
+    """LYNX (both planes of every layer): an asynchronous load's blocks = a synchronous load's =
+    the loader's own decode; every pull is served from the form the producer encoded as each layer
+    was saved, not encoded at the pull."""
     caplog.set_level(logging.INFO, logger="lynx_decode.prefill")
     ids = _ids(70, seed=2)
     bench.hold(ids)
     blocks = [3, 1, 4, 6, 7]
     bench.loads.submit(bench.spec("a", ids, blocks, Scheme.LYNX))
     assert bench.collect_until("a") == []
-    sync = bench.loader.start("s", bench.node.address, ids, scheme=Scheme.LYNX, planes=(4, 4))
-    other = [torch.zeros_like(kv) for kv in bench.kv]
+    written = [kv.clone() for kv in bench.kv]
+    for kv in bench.kv:
+        kv.zero_()
+    job = bench.loads.start(bench.spec("s", ids, blocks, Scheme.LYNX))
+    assert all(bench.loads.wait_written(job, i) for i in range(LAYERS))
+    bench.loads.end(job)
+    bench.loader.finish(job.load)
+    direct = bench.loader.start("d", bench.node.address, ids, scheme=Scheme.LYNX, planes=(4, 4))
     for i in range(LAYERS):
-        k, v = bench.loader.layer(sync, i)
-        paged.scatter(other[i], blocks, 0, k, v)
-        assert torch.equal(other[i], bench.kv[i]), i
-    bench.loader.finish(sync)
-    assert [r["load"] for r in bench.records()] == ["async", "sync"]
+        assert torch.equal(bench.kv[i], written[i]), i
+        k, v = bench.loader.layer(direct, i)
+        mine = torch.zeros_like(bench.kv[i])
+        paged.scatter(mine, blocks, 0, k, v)
+        assert torch.equal(mine, written[i]), i
+    bench.loader.finish(direct)
+    assert [r["load"] for r in bench.records()] == ["async", "sync", "sync"]
     served = [m for m in (r.getMessage() for r in caplog.records if r.name == "lynx_decode.prefill")
               if "lynx 4,4" in m]
-    assert len(served) == 2 and all("held encoded as it was saved" in m for m in served), served
+    assert len(served) == 3 and all("held encoded as it was saved" in m for m in served), served
 
 
 def test_a_failed_load_is_reported_with_its_blocks_and_writes_nothing(bench: Bench) -> None:
@@ -246,3 +259,56 @@ def test_an_aborted_requests_load_stops_writing_and_is_still_reported(bench: Ben
     assert not bench.kv[2].any()
     [record] = bench.records()
     assert "vLLM finished the request before its load" in record["error"]
+
+
+# -- synchronous loads ----------------------------------------------------------------------------
+def test_a_sync_load_writes_each_layer_as_it_lands_ahead_of_the_forward(bench: Bench) -> None:
+    """The cause of the forward's short wait: the thread writes the later layers while the forward
+    is still at layer 0 (it asks for no layer past it here), and the load is reported only by the
+    connector, not on the asynchronous queue."""
+    ids = _ids(40, seed=6)
+    bench.hold(ids)
+    job = bench.loads.start(bench.spec("s", ids, [5, 2, 9]))
+    assert job.load.mode is LoadMode.SYNC
+    assert bench.loads.wait_written(job, 0)
+    assert wait_until(lambda: job.written == LAYERS, WAIT_S)  # no wait_written past layer 0
+    assert bench.written == [("s", i) for i in range(LAYERS)]
+    bench.loads.end(job)
+    assert job.out and not job.load.failed
+    assert bench.loads.collect() == (set(), []) and bench.loads.pending() == 0
+    record = bench.loader.finish(job.load)
+    assert record["load"] == "sync" and record["error"] is None and record["layers_loaded"] == LAYERS
+    for i in range(LAYERS):
+        k, _ = paged.gather(bench.kv[i], [5, 2, 9], 0, 39)
+        assert torch.equal(k, torch.from_numpy(_values(ids, i)[0]).bfloat16())
+
+
+def test_a_failed_sync_load_answers_false_at_once_and_writes_nothing(bench: Bench) -> None:
+    job = bench.loads.start(bench.spec("f", _ids(30, seed=7), [1, 2]))  # never held: refused
+    assert not bench.loads.wait_written(job, 0)
+    assert not bench.loads.wait_written(job, LAYERS - 1)
+    bench.loads.end(job)
+    assert job.out and "the producer refused" in str(job.load.error)
+    assert not any(kv.any() for kv in bench.kv)
+
+
+def test_ending_a_sync_load_short_of_its_last_layer_stops_its_thread_before_end_returns(bench: Bench) -> None:
+    """A forward that stops short (vLLM's wait_for_save with the load still active): the thread is
+    cancelled, the write under way finishes, and no later layer is written after end() returns,
+    since vLLM may hand the blocks to another request once it hears of the failure."""
+    ids = _ids(40, seed=8)
+    bench.hold(ids)
+    bench.gates[1] = threading.Event()
+    job = bench.loads.start(bench.spec("e", ids, [5, 2, 9]))
+    assert bench.loads.wait_written(job, 0)
+    assert wait_until(lambda: ("e", 1) in bench.entered, WAIT_S)
+    ender = threading.Thread(target=bench.loads.end, args=(job,))
+    ender.start()
+    ender.join(0.2)
+    assert ender.is_alive()  # end() waits for the thread, which is inside its write of layer 1
+    bench.gates[1].set()
+    ender.join(WAIT_S)
+    assert not ender.is_alive() and job.out
+    assert bench.written == [("e", 0), ("e", 1)]
+    assert not bench.kv[2].any()
+    assert "the forward ended before the load's last layer" in str(job.load.error)
