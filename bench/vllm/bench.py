@@ -31,7 +31,8 @@ output tokens (greedy, EOS ignored), Poisson arrivals at ``--rate``, ``--request
 configurations run before ``none``; with ``none`` alone, on its plain server).
 
 Writes ``OUT/summary.json`` (:mod:`lynx_bench.vllm.bench_summary`), ``OUT/breakdown.json``
-(where each run's TTFT goes, its request throughput and the load averages), ``OUT/ttft.png``,
+(where each run's TTFT goes, what ran beside each decode, its request throughput and the load
+averages), ``OUT/ttft.png``,
 each run's vLLM result and the proxy's and the consumer's records under ``OUT/runs``, and every
 server's log under ``OUT/logs``; prints a table, and one progress line per phase on stderr.
 Every wait is bounded; every process (each in a session of its own) is ended on exit, an error,
@@ -55,6 +56,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -76,6 +78,7 @@ from lynx_bench.vllm.bench_session import (
 from lynx_bench.vllm.bench_summary import (
     BenchConfig,
     Connector,
+    decode_overlaps,
     failed_row,
     fill_equal_to_int8,
     metric,
@@ -100,9 +103,11 @@ DEFAULT_CONFIGS = "none,lynx-bf16,lynx-int8,lynx-lynx,nixl"
 #: The default run's links: 0.5 Gbit/s through tc, then loopback.
 DEFAULT_LINKS = "0.5,unshaped"
 #: An asynchronous configuration's unloaded TPOT: this many requests, one at a time, on prompts
-#: of the run's seed plus :data:`UNLOADED_SEED`.
+#: of the run's seed plus :data:`UNLOADED_SEED`, with nothing beside them and again with the
+#: producer prefilling other prompts (seed plus :data:`BESIDE_SEED` on) at the run's rate.
 UNLOADED_REQUESTS = 4
 UNLOADED_SEED = 1000
+BESIDE_SEED = 2000
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -235,7 +240,7 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
     say(f"{name}: warm-up through {endpoint.name} (2 short requests)")
     for k in range(2):
         bench.complete(endpoint.url, bench.prompt_ids(64 + k, 11 + k), 2, f"warmup.{name}.{k}")
-    unloaded = _unloaded_tpot(bench, c, name, endpoint, align, run_dir)
+    unloaded = _unloaded_tpot(bench, c, name, endpoint, align, prefill, request_rate, run_dir)
     prefix = f"{name}-"
     say(f"{name}: vllm bench serve, {args.requests} requests of {args.prompt_tokens} tokens at "
         f"{request_rate:.4f}/s (Poisson, seed {args.seed})")
@@ -255,6 +260,7 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
                              "loadavg_after": os.getloadavg(),
                              "errors": sorted({str(e)[:300] for e in errs if e}),
                              "ttft_breakdown_ms": ttft_breakdown(records or [], loads, prefix)}
+    results.details[name]["decode_overlaps"] = decode_overlaps(records or [], loads, prefix)
     rates = wire_gbps(records or [], loads, prefix)
     results.details[name]["wire_gbps"] = {"median": percentile(rates, 50) if rates else None, "n": len(rates)}
     why = shaping_error(link, rates)
@@ -264,20 +270,60 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
     return row, proxy
 
 
-def _unloaded_tpot(bench: Bench, c: BenchConfig, name: str, endpoint: Server, align: Server,
-                   run_dir: Path) -> dict[str, float | None] | None:
+def _unloaded_tpot(bench: Bench, c: BenchConfig, name: str, endpoint: Server, align: Server, prefill: Server,
+                   rate: float, run_dir: Path) -> dict[str, dict[str, float | None]] | None:
     """For an asynchronous configuration, the same consumer's TPOT with no load beside it:
     :data:`UNLOADED_REQUESTS` requests one at a time through the same endpoint, on prompts of
-    another seed (so the measured run's prompts get no prefix-cache hit from them). None for the
-    other configurations."""
+    another seed (so the measured run's prompts get no prefix-cache hit from them), ``idle`` with
+    nothing else running and ``beside_prefills`` with the producer prefilling other prompts at the
+    run's ``rate`` meanwhile (:func:`_prefills_beside`): on a host where producer and consumer share
+    the cores, that is the measured run's CPU without its loads. None for the other configurations."""
     if c.load != "async":
         return None
-    say(f"{name}: unloaded TPOT, {UNLOADED_REQUESTS} requests one at a time")
-    result = bench.benchmark(endpoint.url, align.url, math.inf, f"{name}-unloaded-", run_dir,
-                             requests=UNLOADED_REQUESTS, seed=bench.args.seed + UNLOADED_SEED, max_concurrency=1,
-                             name="unloaded")
-    tpot = metric(result, "tpot")
-    return {"median": tpot["median"], "p99": tpot["p99"]}
+    out: dict[str, dict[str, float | None]] = {}
+    for cond in ("idle", "beside_prefills"):
+        say(f"{name}: unloaded TPOT ({cond}), {UNLOADED_REQUESTS} requests one at a time")
+        beside = _prefills_beside(bench, prefill, rate, name) if cond == "beside_prefills" else contextlib.nullcontext()
+        with beside:
+            # not f"{name}-...": the measured run's records are told apart by that prefix
+            result = bench.benchmark(endpoint.url, align.url, math.inf, f"unloaded.{cond}.{name}-", run_dir,
+                                     requests=UNLOADED_REQUESTS, seed=bench.args.seed + UNLOADED_SEED,
+                                     max_concurrency=1, name=f"unloaded-{cond}")
+        tpot = metric(result, "tpot")
+        out[cond] = {"median": tpot["median"], "p99": tpot["p99"]}
+    return out
+
+
+@contextlib.contextmanager
+def _prefills_beside(bench: Bench, prefill: Server, rate: float, name: str) -> Iterator[None]:
+    """While the block runs, a thread asks ``prefill`` (the producer itself, not the proxy: nothing is
+    held or pulled) for one-token completions of fresh prompts of the run's length, one every
+    ``1/rate`` s (or at once when one took longer), so the producer prefills as it does in the run;
+    the prefill under way when the block ends is waited for."""
+    stop = threading.Event()
+    failed: list[str] = []
+
+    def loop() -> None:
+        start, k = time.monotonic(), 0
+        while not stop.is_set():
+            ids = bench.prompt_ids(bench.args.prompt_tokens, bench.args.seed + BESIDE_SEED + k)
+            try:
+                bench.complete(prefill.url, ids, 1, f"beside.{name}.{k}")
+            except VllmNodeError as exc:
+                failed.append(str(exc))
+                return
+            k += 1
+            stop.wait(max(0.0, start + k / rate - time.monotonic()))
+
+    thread = threading.Thread(target=loop, name="lynx-vllm-bench-prefills-beside", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    if failed:
+        raise VllmNodeError(f"{name}: a prefill beside the unloaded requests failed: {failed[0]}")
 
 
 def _summary_config(args: argparse.Namespace, rate: Rate, loadavg_start: tuple[float, float, float],
@@ -303,7 +349,9 @@ def _summary_config(args: argparse.Namespace, rate: Rate, loadavg_start: tuple[f
                              "streamed token)",
             "tpot_unloaded": f"async configurations: {UNLOADED_REQUESTS} requests one at a time (vLLM's "
                              f"--max-concurrency 1) through the same proxy before the measured run, seed "
-                             f"{args.seed + UNLOADED_SEED}",
+                             f"{args.seed + UNLOADED_SEED}; idle: nothing else running; beside_prefills: the "
+                             "producer prefilling other prompts of the same length (one-token completions sent "
+                             f"to it directly, seed {args.seed + BESIDE_SEED} on) at the run's rate meanwhile",
             "commit": _commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "cpus": os.cpu_count(), "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(),
             "errors": errors}

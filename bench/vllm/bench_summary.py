@@ -213,9 +213,10 @@ def _median_p99(values: Sequence[float]) -> dict[str, float | None]:
 
 def run_row(config: BenchConfig, link_gbps: float | None, rate: float, requests: int, result: Mapping[str, Any],
             proxy_records: Iterable[Mapping[str, Any]] | None, prefix: str, *,
-            tpot_unloaded: Mapping[str, float | None] | None = None) -> dict[str, Any]:
+            tpot_unloaded: Mapping[str, Mapping[str, float | None]] | None = None) -> dict[str, Any]:
     """One row of ``summary.json`` (``equal_to_int8`` left null: :func:`fill_equal_to_int8`);
-    ``tpot_unloaded``: the configuration's unloaded TPOT (``{"median", "p99"}``), if measured."""
+    ``tpot_unloaded``: the configuration's unloaded TPOT, if measured, by condition (``idle``, nothing
+    beside; ``beside_prefills``, the producer prefilling at the run's rate), each ``{"median", "p99"}``."""
     consumer = (_median_p99(consumer_ttfts(proxy_records, prefix)) if proxy_records is not None
                 else {"median": None, "p99": None})
     return {"connector": config.connector.value, "scheme": config.scheme, "load": config.load,
@@ -223,7 +224,7 @@ def run_row(config: BenchConfig, link_gbps: float | None, rate: float, requests:
             "completed": int(result.get("completed", 0)),
             "failed": int(result.get("failed", requests - int(result.get("completed", 0)))),
             **{f"{m}_ms": metric(result, m) for m in METRICS}, "consumer_ttft_ms": consumer, "equal_to_int8": None,
-            "tpot_unloaded_ms": None if tpot_unloaded is None else dict(tpot_unloaded)}
+            "tpot_unloaded_ms": None if tpot_unloaded is None else {k: dict(v) for k, v in tpot_unloaded.items()}}
 
 
 def failed_row(config: BenchConfig, link_gbps: float | None, rate: float | None, requests: int) -> dict[str, Any]:
@@ -318,6 +319,33 @@ def wire_gbps(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mappin
     return out
 
 
+def decode_overlaps(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],
+                    prefix: str) -> dict[str, int]:
+    """What ran beside each request's decode (its decode leg's first bytes to its end, the proxy's
+    wall clock): ``decodes`` counted, ``beside_a_load`` of them overlapped by another request's
+    transfer (its pull request to its last layer landed, the consumer's records), ``beside_a_prefill``
+    by another request's prefill leg (the producer prefilling, or its queue). A TPOT that grew under
+    load grew from one or the other; an asynchronous load can only help the first."""
+    pairs = list(_proxied_loads(proxy_records, loads, prefix))
+    transfers = [(r.get("request_id"), load.get("requested_at"), load.get("last_layer_landed_at"))
+                 for r, load in pairs if load is not None]
+    prefills = [(r.get("request_id"), r.get("prefill_sent_at"), r.get("prefill_answered_at")) for r, _ in pairs]
+
+    def beside(rid: Any, a: float, b: float, spans: list[tuple[Any, Any, Any]]) -> bool:
+        return any(other != rid and s is not None and e is not None and s < b and e > a for other, s, e in spans)
+
+    out = {"decodes": 0, "beside_a_load": 0, "beside_a_prefill": 0}
+    for r, _ in pairs:
+        a, b = r.get("decode_first_byte_at"), r.get("done_at")
+        if a is None or b is None:
+            continue
+        rid = r.get("request_id")
+        out["decodes"] += 1
+        out["beside_a_load"] += beside(rid, a, b, transfers)
+        out["beside_a_prefill"] += beside(rid, a, b, prefills)
+    return out
+
+
 #: A shaped run whose loads' median rate beats its link by more than this factor did not cross it.
 SHAPING_SLACK = 1.1
 
@@ -344,22 +372,26 @@ def _link(row: Mapping[str, Any]) -> str:
 
 
 def table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The runs as a fixed-width table (ms; ``-``: not measured; ``unl``: the unloaded TPOT p50)."""
+    """The runs as a fixed-width table (ms; ``-``: not measured; ``unl``: the unloaded TPOT p50 with
+    nothing beside, ``unl+pf`` its p99 with the producer prefilling beside at the run's rate)."""
     def ms(x: Any) -> str:
         return "-" if x is None else f"{x:.0f}"
 
     head = (f"{'config':<17} {'link':>8} {'rate/s':>7} {'ok/fail':>8} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
-            f"{'cons p50':>8} {'cons p99':>8} {'TPOT p50':>8} {'p99':>5} {'unl':>5} {'ITL p50':>7} {'E2EL p50':>8} "
+            f"{'cons p50':>8} {'cons p99':>8} {'TPOT p50':>8} {'p99':>5} {'unl':>5} {'unl+pf':>6} {'ITL p50':>7} "
+            f"{'E2EL p50':>8} "
             f"{'=int8':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         eq = "-" if r["equal_to_int8"] is None else ("yes" if r["equal_to_int8"] else "NO")
+        unloaded = r.get("tpot_unloaded_ms") or {}
         rate = "-" if r["rate"] is None else f"{r['rate']:.3f}"
         lines.append(f"{_label(r):<17} {_link(r):>8} {rate:>7} {r['completed']:>4}/{r['failed']:<3} "
                      f"{ms(r['ttft_ms']['mean']):>9} {ms(r['ttft_ms']['median']):>7} {ms(r['ttft_ms']['p99']):>7} "
                      f"{ms(r['consumer_ttft_ms']['median']):>8} {ms(r['consumer_ttft_ms']['p99']):>8} "
                      f"{ms(r['tpot_ms']['median']):>8} {ms(r['tpot_ms']['p99']):>5} "
-                     f"{ms((r.get('tpot_unloaded_ms') or {}).get('median')):>5} {ms(r['itl_ms']['median']):>7} "
+                     f"{ms((unloaded.get('idle') or {}).get('median')):>5} "
+                     f"{ms((unloaded.get('beside_prefills') or {}).get('p99')):>6} {ms(r['itl_ms']['median']):>7} "
                      f"{ms(r['e2el_ms']['median']):>8} {eq:>5}")
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ from lynx_bench.vllm.bench_summary import (
     Connector,
     auto_rate,
     consumer_ttfts,
+    decode_overlaps,
     failed_row,
     fill_equal_to_int8,
     link_shaping,
@@ -137,12 +138,13 @@ def test_a_row_takes_vllms_metrics_and_the_proxys_decode_leg_ttft() -> None:
 
 
 def test_an_asynchronous_row_carries_its_unloaded_tpot_and_the_table_shows_it() -> None:
-    unloaded = {"median": 41.0, "p99": 43.5}
+    unloaded = {"idle": {"median": 41.0, "p99": 43.5}, "beside_prefills": {"median": 47.0, "p99": 62.4}}
     row = run_row(BenchConfig("lynx-int8-async", Connector.LYNX, "int8", "async"), 0.5, 0.4, 3, result(), [],
                   "x-", tpot_unloaded=unloaded)
     assert row["tpot_unloaded_ms"] == unloaded and row["load"] == "async"
     line = table([row]).splitlines()[2]
-    assert "lynx-int8-async" in line and " 41 " in line and " 55 " in line  # unloaded p50, loaded p99 (54.9)
+    # loaded p99 (54.9), unloaded p50 with nothing beside, unloaded p99 beside the producer's prefills
+    assert "lynx-int8-async" in line and " 55    41     62 " in line
 
 
 def test_a_row_without_a_proxy_has_no_consumer_ttft() -> None:
@@ -224,6 +226,21 @@ def test_the_breakdown_finds_each_requests_own_load_among_ids_that_contain_it() 
     assert parts["transfer"]["median"] == pytest.approx(200.0)
     assert parts["first_step"]["median"] == pytest.approx(80.0)
     assert parts["consumer_ttft"]["median"] == pytest.approx(300.0)
+
+
+def test_each_decode_counts_what_ran_beside_it_another_requests_transfer_or_prefill() -> None:
+    """Request 1 decodes over [10.3, 11.0]: request 2's transfer [10.5, 10.9] lands in it and
+    request 3's prefill leg [10.8, 12.0] starts in it; request 2 decodes over [11.0, 11.2], beside
+    request 3's prefill only; request 3 decodes alone. A request's own prefill and transfer, a
+    failed load and another run's requests do not count."""
+    records = [{**proxied("r-1", 10.0, 10.3), "done_at": 11.0},
+               {**proxied("r-2", 10.4, 11.0), "done_at": 11.2},
+               {**proxied("r-3", 12.0, 12.5), "done_at": 13.0},
+               {**proxied("other-1", 10.0, 10.3), "done_at": 11.0}]
+    loads = [{"request_id": "cmpl-r-1-0-aa", "requested_at": 10.0, "last_layer_landed_at": 10.29},
+             {"request_id": "cmpl-r-2-0-bb", "requested_at": 10.5, "last_layer_landed_at": 10.9},
+             {"request_id": "cmpl-r-3-0-cc", "requested_at": 12.1, "last_layer_landed_at": 12.4, "error": "x"}]
+    assert decode_overlaps(records, loads, "r-") == {"decodes": 3, "beside_a_load": 1, "beside_a_prefill": 2}
 
 
 def test_a_shaped_run_whose_loads_beat_the_link_is_named_not_shaped() -> None:
