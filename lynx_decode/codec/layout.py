@@ -362,8 +362,11 @@ class CacheLayout:
         if len(self.offsets) != len(self.layers):
             raise LayoutError(f"{len(self.offsets)} offset entries for {len(self.layers)} layers")
         spans: list[list[tuple[int, int, int]]] = [[] for _ in range(MAX_PLANES)]
+        checked: set[int] = set()  # a layer object shared by several layers is checked once
         for i, (layer, offs) in enumerate(zip(self.layers, self.offsets)):
-            layer.validate()
+            if id(layer) not in checked:
+                layer.validate()
+                checked.add(id(layer))
             if len(offs) != layer.num_planes:
                 raise LayoutError(f"layer {i} has buffers on {layer.num_planes} planes but {len(offs)} offsets")
             for plane, off in enumerate(offs):
@@ -416,15 +419,19 @@ class CacheLayout:
         if not isinstance(d["layers"], list) or not 1 <= len(d["layers"]) <= MAX_LAYERS:
             raise LayoutError(f"layout layers must be a list of 1..{MAX_LAYERS} layers")
         layers, offsets = [], []
+        parsed: dict[str, LayerLayout] = {}  # a model's layers mostly repeat: each descriptor parsed once
         for i, item in enumerate(d["layers"]):
             if not isinstance(item, dict) or "offsets" not in item:
                 raise LayoutError(f"layer {i} must be an object with offsets")
             item = dict(item)
             offs = item.pop("offsets")
-            try:
-                layer = LayerLayout.from_json(item)
-            except LayoutError as exc:
-                raise LayoutError(f"layer {i}: {exc}") from None
+            key = json.dumps(item, sort_keys=True, separators=(",", ":"))
+            layer = parsed.get(key)
+            if layer is None:
+                try:
+                    layer = parsed[key] = LayerLayout.from_json(item)
+                except LayoutError as exc:
+                    raise LayoutError(f"layer {i}: {exc}") from None
             if not isinstance(offs, list) or len(offs) > MAX_PLANES:
                 raise LayoutError(f"layer {i} offsets must be a list of at most {MAX_PLANES} ints")
             layers.append(layer)
