@@ -40,7 +40,10 @@ SIGTERM or Ctrl-C.
 
 This module runs the matrix (configuration groups by link) and writes the results; the server
 processes and where they run are :mod:`~lynx_bench.vllm.bench_servers`, the session (command
-lines, requests), each group's servers, its link and the rate :mod:`~lynx_bench.vllm.bench_session`.
+lines, requests), each group's servers, its link and the rate :mod:`~lynx_bench.vllm.bench_session`,
+an asynchronous configuration's unloaded TPOT :mod:`~lynx_bench.vllm.bench_unloaded`, the rows and
+the table :mod:`~lynx_bench.vllm.bench_summary`, and what the proxy's and the consumer's records
+say :mod:`~lynx_bench.vllm.bench_records`.
 """
 
 from __future__ import annotations
@@ -50,19 +53,24 @@ import contextlib
 import datetime
 import importlib.util
 import json
-import math
 import os
 import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from lynx_bench.common.errors import LinkError, VllmNodeError
+from lynx_bench.vllm.bench_records import (
+    decode_overlaps,
+    percentile,
+    shaping_error,
+    ttft_breakdown,
+    wire_gbps,
+)
 from lynx_bench.vllm.bench_servers import Server, wait_ready
 from lynx_bench.vllm.bench_session import (
     LINK_PREFIX,
@@ -78,22 +86,17 @@ from lynx_bench.vllm.bench_session import (
 from lynx_bench.vllm.bench_summary import (
     BenchConfig,
     Connector,
-    decode_overlaps,
     failed_row,
     fill_equal_to_int8,
-    metric,
     parse_configs,
     parse_links,
     parse_rate,
-    percentile,
     plot_ttft,
     rate_rule,
     run_row,
-    shaping_error,
     table,
-    ttft_breakdown,
-    wire_gbps,
 )
+from lynx_bench.vllm.bench_unloaded import BESIDE_SEED, UNLOADED_REQUESTS, UNLOADED_SEED, unloaded_tpot
 from lynx_bench.vllm.driver import INSTALL_HINT, REPO_ROOT, vllm_python
 
 __all__ = ["main", "run"]
@@ -102,12 +105,6 @@ ROOT = REPO_ROOT
 DEFAULT_CONFIGS = "none,lynx-bf16,lynx-int8,lynx-lynx,nixl"
 #: The default run's links: 0.5 Gbit/s through tc, then loopback.
 DEFAULT_LINKS = "0.5,unshaped"
-#: An asynchronous configuration's unloaded TPOT: this many requests, one at a time, on prompts
-#: of the run's seed plus :data:`UNLOADED_SEED`, with nothing beside them and again with the
-#: producer prefilling other prompts (seed plus :data:`BESIDE_SEED` on) at the run's rate.
-UNLOADED_REQUESTS = 4
-UNLOADED_SEED = 1000
-BESIDE_SEED = 2000
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -240,7 +237,7 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
     say(f"{name}: warm-up through {endpoint.name} (2 short requests)")
     for k in range(2):
         bench.complete(endpoint.url, bench.prompt_ids(64 + k, 11 + k), 2, f"warmup.{name}.{k}")
-    unloaded = _unloaded_tpot(bench, c, name, endpoint, align, prefill, request_rate, run_dir)
+    unloaded = unloaded_tpot(bench, c, name, endpoint, align, prefill, request_rate, run_dir)
     prefix = f"{name}-"
     say(f"{name}: vllm bench serve, {args.requests} requests of {args.prompt_tokens} tokens at "
         f"{request_rate:.4f}/s (Poisson, seed {args.seed})")
@@ -268,62 +265,6 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
         say(f"{name}: NOT SHAPED: {why}")
         results.errors.append({"config": c.name, "link_gbps": link, "error": f"not shaped: {why}"})
     return row, proxy
-
-
-def _unloaded_tpot(bench: Bench, c: BenchConfig, name: str, endpoint: Server, align: Server, prefill: Server,
-                   rate: float, run_dir: Path) -> dict[str, dict[str, float | None]] | None:
-    """For an asynchronous configuration, the same consumer's TPOT with no load beside it:
-    :data:`UNLOADED_REQUESTS` requests one at a time through the same endpoint, on prompts of
-    another seed (so the measured run's prompts get no prefix-cache hit from them), ``idle`` with
-    nothing else running and ``beside_prefills`` with the producer prefilling other prompts at the
-    run's ``rate`` meanwhile (:func:`_prefills_beside`): on a host where producer and consumer share
-    the cores, that is the measured run's CPU without its loads. None for the other configurations."""
-    if c.load != "async":
-        return None
-    out: dict[str, dict[str, float | None]] = {}
-    for cond in ("idle", "beside_prefills"):
-        say(f"{name}: unloaded TPOT ({cond}), {UNLOADED_REQUESTS} requests one at a time")
-        beside = _prefills_beside(bench, prefill, rate, name) if cond == "beside_prefills" else contextlib.nullcontext()
-        with beside:
-            # not f"{name}-...": the measured run's records are told apart by that prefix
-            result = bench.benchmark(endpoint.url, align.url, math.inf, f"unloaded.{cond}.{name}-", run_dir,
-                                     requests=UNLOADED_REQUESTS, seed=bench.args.seed + UNLOADED_SEED,
-                                     max_concurrency=1, name=f"unloaded-{cond}")
-        tpot = metric(result, "tpot")
-        out[cond] = {"median": tpot["median"], "p99": tpot["p99"]}
-    return out
-
-
-@contextlib.contextmanager
-def _prefills_beside(bench: Bench, prefill: Server, rate: float, name: str) -> Iterator[None]:
-    """While the block runs, a thread asks ``prefill`` (the producer itself, not the proxy: nothing is
-    held or pulled) for one-token completions of fresh prompts of the run's length, one every
-    ``1/rate`` s (or at once when one took longer), so the producer prefills as it does in the run;
-    the prefill under way when the block ends is waited for."""
-    stop = threading.Event()
-    failed: list[str] = []
-
-    def loop() -> None:
-        start, k = time.monotonic(), 0
-        while not stop.is_set():
-            ids = bench.prompt_ids(bench.args.prompt_tokens, bench.args.seed + BESIDE_SEED + k)
-            try:
-                bench.complete(prefill.url, ids, 1, f"beside.{name}.{k}")
-            except VllmNodeError as exc:
-                failed.append(str(exc))
-                return
-            k += 1
-            stop.wait(max(0.0, start + k / rate - time.monotonic()))
-
-    thread = threading.Thread(target=loop, name="lynx-vllm-bench-prefills-beside", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-    if failed:
-        raise VllmNodeError(f"{name}: a prefill beside the unloaded requests failed: {failed[0]}")
 
 
 def _summary_config(args: argparse.Namespace, rate: Rate, loadavg_start: tuple[float, float, float],

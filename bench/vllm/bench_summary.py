@@ -11,7 +11,7 @@ across commits)::
      "requests": n, "completed": n, "failed": n,
      "ttft_ms": {"mean", "median", "p99"}, "tpot_ms": {...}, "itl_ms": {...}, "e2el_ms": {...},
      "consumer_ttft_ms": {"median", "p99"}, "equal_to_int8": bool | null,
-     "tpot_unloaded_ms": {"median", "p99"} | null}
+     "tpot_unloaded_ms": {"idle": {"median", "p99"}, "beside_prefills": {...}} | null}
 
 ``ttft_ms`` ... ``e2el_ms`` are vLLM's (its ``--save-result`` JSON, the client's clock, the
 producer's prefill included). ``link_shaping`` (:func:`link_shaping`): ``netns-tc``, the
@@ -24,7 +24,10 @@ answer's first token), per request from the proxy's records; null without a prox
 run's at the same link and load mode (same seeded prompts, greedy); null elsewhere or without
 an ``int8`` run. ``tpot_unloaded_ms``: for an asynchronous configuration, the same consumer's
 TPOT with no load beside it (a few requests one at a time through the same proxy, before the
-measured run), against which its loaded ``tpot_ms`` p99 is judged; null for the others. A
+measured run; ``idle`` with nothing else running, ``beside_prefills`` with the producer prefilling
+other prompts at the run's rate), against which its loaded ``tpot_ms`` p99 is judged; null for the
+others. What the records of a run say beyond the row (where each TTFT goes, what ran beside each
+decode, the loads' wire rate) is :mod:`lynx_bench.vllm.bench_records`. A
 configuration that could not run (e.g. NIXL not installed) has a row with ``completed: 0``, its
 metrics null, and its exact error in ``config["errors"]``.
 """
@@ -35,17 +38,16 @@ import argparse
 import dataclasses
 import enum
 import math
-import re
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lynx_bench.vllm.bench_records import consumer_ttfts, median_p99
+
 __all__ = ["Connector", "BenchConfig", "CONFIG_NAMES", "SCHEMES", "AUTO_RATE_FRACTION", "parse_configs",
-           "parse_links", "parse_rate", "link_shaping", "LINK_SHAPINGS",
-           "auto_rate", "rate_rule", "percentile", "metric", "consumer_ttfts",
-           "run_row", "failed_row", "fill_equal_to_int8", "ttft_breakdown", "wire_gbps", "SHAPING_SLACK",
-           "shaping_error", "table", "plot_ttft", "main"]
+           "parse_links", "parse_rate", "link_shaping", "LINK_SHAPINGS", "auto_rate", "rate_rule", "metric",
+           "run_row", "failed_row", "fill_equal_to_int8", "table", "plot_ttft", "main"]
 
 #: The schemes the proxy's ``--scheme`` takes.
 SCHEMES = ("bf16", "int8", "int4", "lynx")
@@ -173,16 +175,6 @@ def rate_rule(rate: float | None, prefill_s: float | None, prompt_tokens: int, m
             f"{auto_rate(prefill_s):.4f} requests/s")
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    """The ``p``-th percentile with linear interpolation (numpy's default, as vLLM's benchmark)."""
-    if not values:
-        raise ValueError("no values")
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def metric(result: Mapping[str, Any], name: str) -> dict[str, float | None]:
     """``{"mean", "median", "p99"}`` of ``name`` (ttft, tpot, itl, e2el) in ms from vLLM's result JSON."""
     def get(key: str) -> float | None:
@@ -192,32 +184,13 @@ def metric(result: Mapping[str, Any], name: str) -> dict[str, float | None]:
     return {"mean": get("mean"), "median": get("median"), "p99": get("p99")}
 
 
-def consumer_ttfts(proxy_records: Iterable[Mapping[str, Any]], prefix: str) -> list[float]:
-    """Each request's decode-leg TTFT in ms (proxy ``decode_sent_at`` to ``decode_first_byte_at``),
-    of the requests whose id starts with ``prefix`` and that succeeded."""
-    out = []
-    for r in proxy_records:
-        if not str(r.get("request_id", "")).startswith(prefix) or r.get("error") is not None:
-            continue
-        sent, first = r.get("decode_sent_at"), r.get("decode_first_byte_at")
-        if sent is not None and first is not None:
-            out.append((first - sent) * 1000)
-    return out
-
-
-def _median_p99(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {"median": None, "p99": None}
-    return {"median": percentile(values, 50), "p99": percentile(values, 99)}
-
-
 def run_row(config: BenchConfig, link_gbps: float | None, rate: float, requests: int, result: Mapping[str, Any],
             proxy_records: Iterable[Mapping[str, Any]] | None, prefix: str, *,
             tpot_unloaded: Mapping[str, Mapping[str, float | None]] | None = None) -> dict[str, Any]:
     """One row of ``summary.json`` (``equal_to_int8`` left null: :func:`fill_equal_to_int8`);
     ``tpot_unloaded``: the configuration's unloaded TPOT, if measured, by condition (``idle``, nothing
     beside; ``beside_prefills``, the producer prefilling at the run's rate), each ``{"median", "p99"}``."""
-    consumer = (_median_p99(consumer_ttfts(proxy_records, prefix)) if proxy_records is not None
+    consumer = (median_p99(consumer_ttfts(proxy_records, prefix)) if proxy_records is not None
                 else {"median": None, "p99": None})
     return {"connector": config.connector.value, "scheme": config.scheme, "load": config.load,
             "link_gbps": link_gbps, "link_shaping": link_shaping(link_gbps), "rate": rate, "requests": requests,
@@ -251,115 +224,6 @@ def fill_equal_to_int8(rows: Sequence[dict[str, Any]], texts: Sequence[Sequence[
             continue
         row["equal_to_int8"] = (len(mine) == len(ref) and len(mine) > 0
                                 and all(a is not None and a == b for a, b in zip(mine, ref)))
-
-
-def _load_of(proxied: Mapping[str, Any], loads: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """The consumer's load of a proxied request: vLLM's request id carries the client's
-    ``X-Request-Id`` inside one of its own (``cmpl-<id>-0-<hash>``), so another id may contain it
-    too (``warmup-<id>``); of the loads whose id contains it, the first pulled after the decode leg
-    was sent."""
-    own = re.compile(re.escape(str(proxied.get("request_id", ""))) + r"(?!\d)")
-    sent = proxied.get("decode_sent_at")
-    found = [rec for rec in loads if own.search(str(rec.get("request_id", "")))]
-    if sent is not None:
-        found = sorted((rec for rec in found if rec["requested_at"] >= sent), key=lambda rec: rec["requested_at"])
-    return found[0] if found else None
-
-
-def _proxied_loads(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],
-                   prefix: str) -> Iterator[tuple[Mapping[str, Any], Mapping[str, Any] | None]]:
-    """A run's requests that the proxy answered (their ids start with ``prefix``), each with its
-    consumer load (:func:`_load_of`), or None when there is none or it failed."""
-    loads = [rec for rec in loads if rec.get("requested_at") is not None]
-    for r in proxy_records:
-        if not str(r.get("request_id", "")).startswith(prefix) or r.get("error") is not None:
-            continue
-        load = _load_of(r, loads)
-        yield r, (load if load is not None and load.get("error") is None else None)
-
-
-def ttft_breakdown(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],
-                   prefix: str) -> dict[str, dict[str, float | None]]:
-    """Where each request's TTFT goes, medians and p99 in ms: ``prefill`` (the proxy's prefill leg,
-    the producer's prefill), ``handoff`` (prefill answer to decode leg sent), ``to_pull`` (decode leg
-    sent to the consumer's pull request: its scheduling), ``transfer`` (pull request to the last
-    layer landed), ``first_step`` (last layer landed to the decode leg's first bytes), and
-    ``consumer_ttft`` (decode leg sent to its first bytes). ``loads``: the consumer's ``stats_path``
-    records (LynxConnector); the pull's parts are absent without them."""
-    parts: dict[str, list[float]] = {k: [] for k in ("prefill", "handoff", "to_pull", "transfer", "first_step",
-                                                     "consumer_ttft")}
-
-    def add(key: str, start: Any, end: Any) -> None:
-        if start is not None and end is not None:
-            parts[key].append((end - start) * 1000)
-
-    for r, load in _proxied_loads(proxy_records, loads, prefix):
-        add("prefill", r.get("prefill_sent_at"), r.get("prefill_answered_at"))
-        add("handoff", r.get("prefill_answered_at"), r.get("decode_sent_at"))
-        add("consumer_ttft", r.get("decode_sent_at"), r.get("decode_first_byte_at"))
-        if load is not None:
-            add("to_pull", r.get("decode_sent_at"), load.get("requested_at"))
-            add("transfer", load.get("requested_at"), load.get("last_layer_landed_at"))
-            add("first_step", load.get("last_layer_landed_at"), r.get("decode_first_byte_at"))
-    return {k: {**_median_p99(v), "n": float(len(v))} for k, v in parts.items()}
-
-
-def wire_gbps(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],
-              prefix: str) -> list[float]:
-    """The rate each of a run's loads crossed the link at, in Gbit/s: its ``bytes_on_wire`` over the
-    time from its header to its last layer landed (the consumer's records, matched as in
-    :func:`ttft_breakdown`); loads that failed or carry no times are left out."""
-    out = []
-    for _, load in _proxied_loads(proxy_records, loads, prefix):
-        if load is None:
-            continue
-        start, end, nbytes = load.get("header_at"), load.get("last_layer_landed_at"), load.get("bytes_on_wire")
-        if start is not None and end is not None and nbytes and end > start:
-            out.append(nbytes * 8 / (end - start) / 1e9)
-    return out
-
-
-def decode_overlaps(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],
-                    prefix: str) -> dict[str, int]:
-    """What ran beside each request's decode (its decode leg's first bytes to its end, the proxy's
-    wall clock): ``decodes`` counted, ``beside_a_load`` of them overlapped by another request's
-    transfer (its pull request to its last layer landed, the consumer's records), ``beside_a_prefill``
-    by another request's prefill leg (the producer prefilling, or its queue). A TPOT that grew under
-    load grew from one or the other; an asynchronous load can only help the first."""
-    pairs = list(_proxied_loads(proxy_records, loads, prefix))
-    transfers = [(r.get("request_id"), load.get("requested_at"), load.get("last_layer_landed_at"))
-                 for r, load in pairs if load is not None]
-    prefills = [(r.get("request_id"), r.get("prefill_sent_at"), r.get("prefill_answered_at")) for r, _ in pairs]
-
-    def beside(rid: Any, a: float, b: float, spans: list[tuple[Any, Any, Any]]) -> bool:
-        return any(other != rid and s is not None and e is not None and s < b and e > a for other, s, e in spans)
-
-    out = {"decodes": 0, "beside_a_load": 0, "beside_a_prefill": 0}
-    for r, _ in pairs:
-        a, b = r.get("decode_first_byte_at"), r.get("done_at")
-        if a is None or b is None:
-            continue
-        rid = r.get("request_id")
-        out["decodes"] += 1
-        out["beside_a_load"] += beside(rid, a, b, transfers)
-        out["beside_a_prefill"] += beside(rid, a, b, prefills)
-    return out
-
-
-#: A shaped run whose loads' median rate beats its link by more than this factor did not cross it.
-SHAPING_SLACK = 1.1
-
-
-def shaping_error(link_gbps: float | None, rates: Sequence[float]) -> str | None:
-    """Why a run's rows cannot be read as shaped (its loads' median rate over ``link_gbps`` x
-    :data:`SHAPING_SLACK`: the bytes took another path than the link), or None."""
-    if link_gbps is None or not rates:
-        return None
-    median = percentile(rates, 50)
-    if median <= link_gbps * SHAPING_SLACK:
-        return None
-    return (f"its loads crossed at {median:.2f} Gbit/s (median of {len(rates)}), faster than the "
-            f"{link_gbps:g} Gbit/s link: the bytes did not go through it")
 
 
 def _label(row: Mapping[str, Any]) -> str:

@@ -12,25 +12,27 @@ from typing import Any
 
 import pytest
 
+from lynx_bench.vllm.bench_records import (
+    consumer_ttfts,
+    decode_overlaps,
+    percentile,
+    shaping_error,
+    ttft_breakdown,
+    wire_gbps,
+)
 from lynx_bench.vllm.bench_summary import (
     BenchConfig,
     Connector,
     auto_rate,
-    consumer_ttfts,
-    decode_overlaps,
     failed_row,
     fill_equal_to_int8,
     link_shaping,
     parse_configs,
     parse_links,
     parse_rate,
-    percentile,
     rate_rule,
     run_row,
-    shaping_error,
     table,
-    ttft_breakdown,
-    wire_gbps,
 )
 
 FIXTURE = Path(__file__).parent / "data" / "vllm_bench_result.json"
