@@ -39,7 +39,8 @@ to send, encoded in the form pulled: after the prefill (or finding it in a
 cache) and its encoding, which the node's log line counts with the queue. The
 stream's opening, the transfer, dequantization and the first decode step all
 come after it (the log line's ``first anchor after``: t0 to the first anchor
-region handed to the transport). Under
+region handed to the transport; ``first byte on the wire after``: t0 to the
+stream's first chunk handed to UCX, ``SendRecord.first_byte_s``). Under
 load the decode node also counts from the moment it sent its request (queueing
 included). Both nodes must share a wall clock (same host, or synchronised hosts).
 """
@@ -60,11 +61,13 @@ import numpy as np
 
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import DecodeError
+from lynx_decode.held_forms import HeldForms, form_name
 from lynx_decode.kvencode import EncodedCache, EncodedSource, encode_cache
 from lynx_decode.kvsend import send_cache, warm_up_codec
-from lynx_decode.model.protocol import CausalLM, Prefill
+from lynx_decode.model.protocol import CausalLM
 from lynx_decode.prefill_cache import PrefillCache
 from lynx_decode.request import BUSY_PREFIX, MAX_PROMPT_BYTES, KVRequest, error_reply
+from lynx_decode.send_record import SendRecord
 from lynx_decode.timeouts import Timeouts
 from lynx_transport import UCX, Lane, Rate, ReceivePool, ReceiveStream, TransportConfig
 from lynx_transport.errors import ConfigError, LynxError, TransportError
@@ -81,29 +84,6 @@ BURST_BYTES = 1 << 20
 #: LYNX splits ``--planes auto`` chooses between (each encode is ~2 % of a CPU prefill).
 DEFAULT_PREPARE = (CodecConfig(Scheme.INT8), CodecConfig(Scheme.LYNX, planes=(4, 4)),
                    CodecConfig(Scheme.LYNX, planes=(3, 5)))
-
-
-@dataclasses.dataclass
-class _Held:
-    """A prompt's cache as the node holds it: its encoded forms, and the float32
-    cache when ``hold_native`` (or while it is being encoded)."""
-
-    encoded: dict[CodecConfig, EncodedCache]
-    native: Prefill | None
-
-    @property
-    def nbytes(self) -> int:
-        native = 0 if self.native is None else self.native.kv.keys.nbytes + self.native.kv.values.nbytes
-        return native + sum(e.nbytes for e in self.encoded.values())
-
-    def describe(self) -> str:
-        forms = [_form(c) for c in self.encoded] + (["float32"] if self.native is not None else [])
-        return f"{self.nbytes / 1e6:.1f} MB held ({', '.join(forms)})"
-
-
-def _form(config: CodecConfig) -> str:
-    bits = f" {','.join(map(str, config.planes))}" if config.scheme is Scheme.LYNX else ""
-    return f"{config.scheme.value}{bits}"
 
 
 @dataclasses.dataclass
@@ -129,7 +109,8 @@ class PrefillNode:
     ``transport``: how bytes move (default: UCX). ``prepare``: the forms every
     prompt's cache is encoded into before its first send (with the request's own);
     ``hold_native``: keep the float32 cache in memory too (default: only the
-    encoded forms).
+    encoded forms). ``on_sent``: called with each sent request's
+    :class:`~lynx_decode.send_record.SendRecord` (on its send thread).
     """
 
     def __init__(self, model: CausalLM, *, host: str = "127.0.0.1", port: int = 0,
@@ -137,7 +118,8 @@ class PrefillNode:
                  timeouts: Timeouts | None = None, transport: Transport = UCX,
                  clock: Callable[[], float] = time.time, max_pending: int = 32,
                  memory_cache: int = 4, link_rate: Rate | None = None,
-                 prepare: tuple[CodecConfig, ...] = DEFAULT_PREPARE, hold_native: bool = False) -> None:
+                 prepare: tuple[CodecConfig, ...] = DEFAULT_PREPARE, hold_native: bool = False,
+                 on_sent: Callable[[SendRecord], None] | None = None) -> None:
         if max_pending < 1:
             raise ConfigError(f"max_pending must be >= 1, got {max_pending}")
         if memory_cache < 0:
@@ -153,7 +135,8 @@ class PrefillNode:
         self.link_rate = link_rate
         self.prepare = prepare
         self.hold_native = hold_native
-        self._memory: collections.OrderedDict[tuple[int, ...], _Held] = collections.OrderedDict()
+        self.on_sent = on_sent
+        self._memory: collections.OrderedDict[tuple[int, ...], HeldForms] = collections.OrderedDict()
         self._memory_size = memory_cache
         self._lock = threading.Lock()
         self._conn_lock = threading.Lock()
@@ -246,32 +229,32 @@ class PrefillNode:
             try:
                 ids = self._token_ids(job.request, job.prompt)
                 codec = _codec(job.request)
-                encoded, held = self._held(ids, codec)
+                encoded, held, nbytes = self._held(ids, codec)
             except LynxError as exc:
                 self._finish(job, None, exc)
                 continue
             except Exception as exc:  # noqa: BLE001 - a failed prefill fails its request, not the node
                 self._finish(job, None, DecodeError(f"prefill failed: {type(exc).__name__}: {exc}"))
                 continue
-            self._sends.submit(self._send, job, encoded, held)
+            self._sends.submit(self._send, job, encoded, held, nbytes)
 
-    def _held(self, ids: list[int], codec: CodecConfig) -> tuple[EncodedCache, str]:
-        """The prompt's cache encoded as ``codec``, and how it was come by: held in
+    def _held(self, ids: list[int], codec: CodecConfig) -> tuple[EncodedCache, str, int]:
+        """The prompt's cache encoded as ``codec``, how it was come by (held in
         memory, or prefilled (or found on disk) and encoded now, with the forms in
         :attr:`prepare`, all then held (with ``memory_cache`` 0 nothing is held, and
-        only ``codec`` is encoded)."""
+        only ``codec`` is encoded), and the bytes held for the prompt."""
         key = tuple(ids)
         with self._lock:
             entry = self._memory.get(key)
             if entry is not None:
                 self._memory.move_to_end(key)
                 if codec in entry.encoded:
-                    return entry.encoded[codec], f"held encoded, {entry.describe()}"
+                    return entry.encoded[codec], f"held encoded, {entry.describe()}", entry.nbytes
         if isinstance(self.model, EncodedSource):  # a model that encoded the cache as it was made
             ready = self.model.encoded(ids, codec)
             if ready is not None:
-                return ready, (f"held encoded as it was saved ({_form(codec)}, {ready.nbytes / 1e6:.1f} MB, "
-                               f"{ready.encode_s:.2f} s of encoding beside the prefill)")
+                return ready, (f"held encoded as it was saved ({form_name(codec)}, {ready.nbytes / 1e6:.1f} MB, "
+                               f"{ready.encode_s:.2f} s of encoding beside the prefill)"), ready.nbytes
         start = time.monotonic()
         if entry is not None and entry.native is not None:
             native, source = entry.native, "prefill in memory"
@@ -281,7 +264,7 @@ class PrefillNode:
         else:
             native, source = self.model.prefill(ids), "prefilled"
         loaded = time.monotonic()
-        held = _Held({} if entry is None else dict(entry.encoded), native)
+        held = HeldForms({} if entry is None else dict(entry.encoded), native)
         # other forms only where they are held for later pulls (memory_cache 0: none are)
         for config in (codec, *(self.prepare if self._memory_size else ())):
             if config not in held.encoded:
@@ -294,7 +277,7 @@ class PrefillNode:
                 while len(self._memory) > self._memory_size:
                     self._memory.popitem(last=False)
         return held.encoded[codec], (f"{source} in {loaded - start:.2f} s, encoded in "
-                                     f"{time.monotonic() - loaded:.2f} s, {held.describe()}")
+                                     f"{time.monotonic() - loaded:.2f} s, {held.describe()}"), held.nbytes
 
     @property
     def held_bytes(self) -> int:
@@ -314,7 +297,7 @@ class PrefillNode:
         return self.model.chat_prompt(text) if request.kind == "chat" else self.model.tokenize(text)
 
     # -- sending (one thread per request) -----------------------------------------------------
-    def _send(self, job: _Job, encoded: EncodedCache, source: str) -> None:
+    def _send(self, job: _Job, encoded: EncodedCache, source: str, held_bytes: int) -> None:
         request = job.request
         t0 = self.clock()
         start = time.monotonic()
@@ -340,11 +323,22 @@ class PrefillNode:
         residual = sum(r.nbytes for r in regions if r.lane != int(Lane.ANCHOR))
         bits = f" planes={','.join(map(str, request.planes))}" if request.scheme is Scheme.LYNX else ""
         sizes = f"anchor {anchor / 1e6:.1f} MB" + (f" + residual {residual / 1e6:.1f} MB" if residual else "")
-        first_ms = (calling - start + sending.first_supplied_s) * 1e3
+        sent = time.monotonic() - start
+        started = sending.stream.started_at
+        record = SendRecord(request.request_id, request.scheme.value,
+                            request.planes if request.scheme is Scheme.LYNX else None, t0,
+                            start - job.admitted_at, calling - start + sending.first_supplied_s,
+                            None if started is None else started - start, sent, anchor, residual, held_bytes)
+        on_wire = ("" if record.first_byte_s is None
+                   else f", first byte on the wire after {record.first_byte_s * 1e3:.1f} ms")
         self._finish(job, f"{len(encoded.token_ids)} tokens, {request.scheme.value}{bits}, {source}; "
-                          f"{sizes}, first anchor after {first_ms:.1f} ms, sent in "
-                          f"{time.monotonic() - start:.2f} s ({start - job.admitted_at:.2f} s queued, "
-                          "prefilling and encoding)")
+                          f"{sizes}, first anchor after {record.first_supplied_s * 1e3:.1f} ms{on_wire}, "
+                          f"sent in {sent:.2f} s ({record.queued_s:.2f} s queued, prefilling and encoding)")
+        if self.on_sent is not None:
+            try:
+                self.on_sent(record)
+            except Exception:  # a failed record must not fail the node
+                log.exception("the send record of request %s was not taken", request.request_id)
 
     def _finish(self, job: _Job, summary: str | None, error: LynxError | None = None, *,
                 tell: bool = True) -> None:

@@ -22,6 +22,8 @@ def run_metrics(assembler: KVAssembler, gen: Any, lane_done: dict[int, float],
     m = gen.metrics
     t0 = assembler.header.t0_unix
     out: dict[str, Any] = {
+        # the request's id, as the prefill node's SendRecord names it
+        "request_id": assembler.header.request_id,
         "scheme": assembler.scheme.value,
         "prompt_tokens": assembler.header.prompt_tokens,
         "ttft_s": m.ttft_s, "ttfct_s": m.ttfct_s, "e2e_s": m.e2e_s,

@@ -49,7 +49,7 @@ from typing import Any
 
 from lynx_bench.common.node_args import add_timeout_arguments, timeouts
 from lynx_bench.common.progress import progress_bar
-from lynx_bench.load.launch import start_nodes
+from lynx_bench.load.launch import RECORDS_FILE, start_nodes
 from lynx_bench.load.logic import (
     DecodeMode,
     LoadConfig,
@@ -63,8 +63,9 @@ from lynx_bench.load.logic import (
 )
 from lynx_bench.load.phases import Planes, run_phase, warm_up
 from lynx_bench.load.report import ratio_table, summary_table, write_load_json
-from lynx_bench.load.results import RequestRow, summarize
+from lynx_bench.load.results import RequestRow, send_record_summary, summarize
 from lynx_bench.sweep.config import DEFAULT_PLANES, SCHEMES, LinkMode, parse_floats, parse_planes_flag
+from lynx_decode.send_record import read_records
 from lynx_decode.split_choice import DEFAULT_STEP_S, NO_SPLIT_STEPS, THREE_BIT_STEPS
 from lynx_transport.config import TransportConfig
 from lynx_transport.errors import ConfigError
@@ -292,6 +293,7 @@ def run_load(config: LoadConfig, shape: ModelShape, *, progress: bool = True, co
     finally:
         bar.close()
     recorded["finished_unix"] = time.time()
+    recorded["send_records"] = send_record_summary(read_records(logs / RECORDS_FILE).values())
     return recorded, rows, phases
 
 
@@ -342,6 +344,12 @@ def run(args: argparse.Namespace) -> int:
             print("p99 ratios (Lynx against the INT8 and INT4 baselines, same run):")
             print(ratio_table(summary))
         print()
+    for scheme, sent in recorded["send_records"].items():
+        first, held = sent["first_byte_p50_s"], sent["held_bytes_p50"]
+        print(f"prefill node, {scheme}: {sent['requests']} sent, first byte on the wire "
+              f"{'-' if first is None else f'{first * 1e3:.1f} ms'} after t0 (p50), "
+              f"{'-' if held is None else f'{held / 1e6:.1f} MB'} held per prompt",
+              file=sys.stderr if args.json else sys.stdout)
     if "lynx" in config.schemes and config.split == "auto":
         print(f"lynx: {recorded['split_choice']}", file=sys.stderr if args.json else sys.stdout)
     for path in (json_path, cdf_png, p99_png):

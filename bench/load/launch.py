@@ -27,10 +27,12 @@ from lynx_bench.common.progress import Progress
 from lynx_bench.load.logic import DecodeMode, LoadConfig, ModelShape
 from lynx_bench.sweep.config import LinkMode
 
-__all__ = ["STARTUP_TIMEOUT_S", "NETNS_PAYLOAD", "Nodes", "start_nodes"]
+__all__ = ["STARTUP_TIMEOUT_S", "NETNS_PAYLOAD", "RECORDS_FILE", "Nodes", "start_nodes"]
 
 #: How long a node may take to start (the prefill node to listen, a decode node to be READY).
 STARTUP_TIMEOUT_S = 300.0
+#: the prefill node's send records (``lynx serve --records``), in the run's logs folder
+RECORDS_FILE = "serve-records.jsonl"
 
 #: Over ``--link netns`` the prefill node paces its payload at this fraction of the tc
 #: rate: tc's htb counts whole frames, and TCP payload got 0.953-0.957 of its rate
@@ -112,7 +114,9 @@ def start_nodes(config: LoadConfig, shape: ModelShape, logs: Path, pool_bytes: i
             link = Link(LinkConfig(rate_gbps=config.bandwidth_gbps, hosts=config.decode_nodes,
                                    prefix=f"lxl{os.getpid() % 100000}")).up()
             serve_env, listen = link.ucx_env("tx"), f"{link.address('tx')}:0"
-        argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen,
+        records = logs / RECORDS_FILE
+        records.unlink(missing_ok=True)
+        argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen, "--records", str(records),
                 *timeout_argv(config.timeouts)]
         # the prefill node's egress, all decode nodes together; over an emulated link too,
         # where tc is the link: paced at its rate, the queue stays in Lynx's scheduler (by

@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lynx_decode.codec.config import Scheme
 
 __all__ = [
     "Status", "RequestRow", "REQUEST_FIELDS", "request_row", "percentile", "SummaryRow", "SUMMARY_FIELDS",
-    "summarize", "peak_egress_gbps",
+    "summarize", "peak_egress_gbps", "send_record_summary",
 ]
 
 
@@ -185,4 +185,21 @@ def summarize(rows: Sequence[RequestRow], bandwidth_gbps: float) -> list[Summary
             p50_ttfct_s=pct("ttfct_s", 50), p99_ttfct_s=pct("ttfct_s", 99),
             p99_full_s=pct("time_to_full_s", 99),
             link_utilization=_utilization(group, bandwidth_gbps)))
+    return out
+
+
+def send_record_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The prefill node's send records (``lynx serve --records``; every request it
+    sent, warm-up included) per scheme: how many, ``first_byte_s`` (its ``t0`` to the
+    stream's first chunk handed to UCX) at p50/p99, and the bytes it held per prompt
+    (median)."""
+    by: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        by.setdefault(str(r.get("scheme")), []).append(r)
+    out = {}
+    for scheme, rs in sorted(by.items()):
+        first = [float(r["first_byte_s"]) for r in rs if r.get("first_byte_s") is not None]
+        held = [float(r["held_bytes"]) for r in rs if r.get("held_bytes") is not None]
+        out[scheme] = {"requests": len(rs), "first_byte_p50_s": percentile(first, 50),
+                       "first_byte_p99_s": percentile(first, 99), "held_bytes_p50": percentile(held, 50)}
     return out

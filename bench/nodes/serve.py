@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lynx_bench.common.node_args import (
@@ -42,6 +43,7 @@ BURST_BYTES = 1 << 20  # as the prefill node's per-request shaping
 if TYPE_CHECKING:
     from lynx_decode.model.protocol import CausalLM
     from lynx_decode.prefill_node import PrefillNode
+    from lynx_decode.send_record import SendRecord
 
 __all__ = ["add_arguments", "prefill_node", "run", "exposure_warning", "is_loopback"]
 
@@ -65,14 +67,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lane-policy", choices=[p.value for p in LanePolicy], default=None,
                         help="order of the streams within a lane, across every request "
                              f"(default {TransportConfig().lane_policy.value}; see LanePolicy)")
+    parser.add_argument("--records", default=None, metavar="FILE",
+                        help="append one JSON line per sent request to FILE (lynx_decode.send_record: "
+                             "request_id, first_byte_s, sent_s, bytes held, ...)")
     add_secret_argument(parser)
     add_timeout_arguments(parser)
     add_ucx_arguments(parser)
     add_model_arguments(parser)
 
 
-def prefill_node(args: argparse.Namespace, model: CausalLM, transport: Transport = UCX) -> PrefillNode:
-    """The prefill node the flags describe (address, cache, transport settings, every timeout)."""
+def prefill_node(args: argparse.Namespace, model: CausalLM, transport: Transport = UCX,
+                 on_sent: Callable[[SendRecord], None] | None = None) -> PrefillNode:
+    """The prefill node the flags describe (address, cache, transport settings, every
+    timeout); ``on_sent`` takes each sent request's record."""
     from lynx_decode.prefill_cache import PrefillCache  # noqa: PLC0415 - loads the decode stack
     from lynx_decode.prefill_node import PrefillNode  # noqa: PLC0415 - loads the decode stack
 
@@ -83,7 +90,7 @@ def prefill_node(args: argparse.Namespace, model: CausalLM, transport: Transport
         config = dataclasses.replace(config, lane_policy=LanePolicy(args.lane_policy))
     return PrefillNode(model, host=host, port=port, cache=cache, config=config,
                        timeouts=timeouts(args), transport=transport, max_pending=args.max_pending,
-                       memory_cache=args.memory_cache, link_rate=_rate(args))
+                       memory_cache=args.memory_cache, link_rate=_rate(args), on_sent=on_sent)
 
 
 def _rate(args: argparse.Namespace) -> Rate | None:
@@ -149,9 +156,16 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with prefill_node(args, model) as node:
-        bound_host, bound_port = node.address
-        print(f"listening on {bound_host}:{bound_port}", flush=True)
-        node.serve(stop)
-        print(f"served {node.served} requests", file=sys.stderr)
+    from lynx_decode.send_record import RecordsFile  # noqa: PLC0415 - loads the decode stack
+
+    records = None if args.records is None else RecordsFile(args.records)
+    try:
+        with prefill_node(args, model, on_sent=records) as node:
+            bound_host, bound_port = node.address
+            print(f"listening on {bound_host}:{bound_port}", flush=True)
+            node.serve(stop)
+            print(f"served {node.served} requests", file=sys.stderr)
+    finally:
+        if records is not None:
+            records.close()
     return 0

@@ -80,6 +80,8 @@ __all__ = ["add_arguments", "run", "run_sweep"]
 
 STARTUP_TIMEOUT_S = 300.0
 RUN_TIMEOUT_S = 300.0
+#: how long a run waits for its prefill node's record after its decode node answered
+RECORD_WAIT_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,8 +196,10 @@ def _python() -> list[str]:
 
 
 @contextlib.contextmanager
-def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator[tuple[Child, dict[str, Any]]]:
-    """Start the prefill node and the decode worker (in namespaces for netns)."""
+def _nodes(config: SweepConfig, bandwidth: float | None,
+           logs: Path) -> Iterator[tuple[Child, dict[str, Any], Path]]:
+    """Start the prefill node and the decode worker (in namespaces for netns); yields
+    the worker, its READY facts and the prefill node's records file."""
     link = None
     serve_env: dict[str, str] = {}
     worker_env: dict[str, str] = {}
@@ -218,7 +222,9 @@ def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator
     serve = worker = None
     try:
         tag = "" if bandwidth is None else f"-{bandwidth:g}"
-        argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen,
+        records = logs / f"serve{tag}-records.jsonl"
+        records.unlink(missing_ok=True)
+        argv = [*_python(), "-m", "lynx_bench.cli", "serve", "--listen", listen, "--records", str(records),
                 *timeout_argv(config.timeouts), *serve_ucx]
         serve = Child("prefill node", argv if link is None else link.exec_argv("tx", argv),
                       logs / f"serve{tag}.log", env=serve_env)
@@ -229,7 +235,7 @@ def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator
         worker = Child("decode node", argv if link is None else link.exec_argv("rx", argv),
                        logs / f"decode{tag}.log", env=worker_env)
         ready = json.loads(worker.expect("READY", STARTUP_TIMEOUT_S))
-        yield worker, ready
+        yield worker, ready, records
     finally:
         for child in (worker, serve):
             if child is not None:
@@ -241,6 +247,8 @@ def _nodes(config: SweepConfig, bandwidth: float | None, logs: Path) -> Iterator
 
 def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") -> tuple[list[Row], dict[str, Any]]:
     """Run the sweep; returns the rows and the recorded config."""
+    from lynx_decode.send_record import wait_record  # noqa: PLC0415 - loads the decode stack
+
     logs = config.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     groups: list[tuple[float | None, tuple[float, ...]]]
@@ -260,7 +268,7 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
         for group_bw, jobs in all_jobs:
             link = "" if group_bw is None else f" behind a {group_bw:g} Gbit/s link"
             bar.phase(f"starting the prefill and decode nodes{link} (model load, kernels)")
-            with _nodes(config, group_bw, logs) as (worker, ready):
+            with _nodes(config, group_bw, logs) as (worker, ready, records):
                 model_id = ready["model_id"]
                 config.validate(max_context=int(ready["max_positions"]))
                 for job in jobs:
@@ -272,6 +280,7 @@ def run_sweep(config: SweepConfig, *, progress: bool = True, command: str = "") 
                     out = json.loads(worker.expect("RESULT", RUN_TIMEOUT_S))
                     if "error" in out:
                         raise ChildError(f"run {job} failed: {out['error']}")
+                    out["send_record"] = wait_record(records, out["request_id"], RECORD_WAIT_S)
                     results.append((job, out))
                     runs.write(json.dumps({"job": dataclasses.asdict(job), **out}) + "\n")
                     runs.flush()
@@ -315,7 +324,9 @@ def _rows(results: list[tuple[_Job, dict[str, Any]]], workload: SweepWorkload = 
             bytes_total=out["bytes_total"],
             accuracy=agree("bf16", job, out["tokens"]) if workload is SweepWorkload.GENERATION else out["accuracy"],
             agreement_vs_int8=agree("int8", job, out["tokens"]), agreement_vs_bf16=agree("bf16", job, out["tokens"]),
-            text=out["text"], physical_limit_s=out.get("physical_limit_s")))
+            text=out["text"], physical_limit_s=out.get("physical_limit_s"),
+            first_byte_s=(out.get("send_record") or {}).get("first_byte_s"),
+            held_bytes=(out.get("send_record") or {}).get("held_bytes")))
     return rows
 
 

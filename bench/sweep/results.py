@@ -63,9 +63,15 @@ class Row:
     #: the physical limit of this run's first token: anchor-lane bytes at the link rate,
     #: plus one layer and the LM head (from this run's decode step and the measured head)
     physical_limit_s: float | None = None
+    #: the prefill node's record of the run (lynx_decode.send_record.SendRecord): its t0 to the
+    #: stream's first chunk handed to UCX, and the bytes it holds for the prompt (None: no record)
+    first_byte_s: float | None = None
+    held_bytes: int | None = None
 
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Row))
+#: the columns every results file has (the ones after them have defaults)
+_REQUIRED = sum(1 for f in dataclasses.fields(Row) if f.default is dataclasses.MISSING)
 
 
 def write_results(out_dir: Path, config: dict[str, Any], rows: Sequence[Row]) -> tuple[Path, Path]:
@@ -83,11 +89,12 @@ def write_results(out_dir: Path, config: dict[str, Any], rows: Sequence[Row]) ->
 
 
 def read_results(json_path: Path) -> tuple[dict[str, Any], list[Row]]:
-    """Read a ``results.json`` back; rejects files whose rows lack the fixed columns."""
+    """Read a ``results.json`` back; rejects files whose rows lack the fixed columns
+    (the optional trailing ones, added later, may be missing: older files read)."""
     payload = json.loads(json_path.read_text())
     rows = []
     for raw in payload["rows"]:
-        if tuple(raw) != COLUMNS:
+        if tuple(raw) != COLUMNS[:len(raw)] or len(raw) < _REQUIRED:
             raise ValueError(f"{json_path}: row columns {tuple(raw)} != {COLUMNS}")
         rows.append(Row(**raw))
     return payload["config"], rows
@@ -136,7 +143,9 @@ CLOCKS_LEGEND = (
     "the first token, final)\n"
     "ttfct_s: first committed (verified) token; e2e_s: last token; MB, accept (acceptance rate): medians\n"
     "fractions of runs: first_ok (LYNX: the first token shown equals the first committed one), "
-    "acc (the workload's accuracy, next line), =int8 (equal to INT8 decoding)"
+    "acc (the workload's accuracy, next line), =int8 (equal to INT8 decoding)\n"
+    "byte1_ms: the prefill node's t0 to the first byte handed to UCX; held_MB: what it holds for "
+    "the prompt (every encoded form): medians"
 )
 
 #: What ``accuracy`` scores per sweep workload (``SweepWorkload`` value).
@@ -168,12 +177,14 @@ def summary_table(rows: Sequence[Row]) -> str:
     med.update({f: means(rows, f) for f in ("accuracy", "agreement_vs_int8")})
     first_ok = means(rows, "first_token_correct")
     sizes = medians(rows, "bytes_total")
+    first_byte, held = medians(rows, "first_byte_s"), medians(rows, "held_bytes")
     order = {s: i for i, s in enumerate(order_schemes(r.scheme for r in rows))}
     keys = sorted({(r.bandwidth_gbps, r.context, r.scheme) for r in rows},
                   key=lambda k: (k[0], k[1], order[k[2]]))
     w = _scheme_width(order)
     header = (f"{'Gbit/s':>7} {'context':>7} {'scheme':<{w}} {'MB':>8} {'ttft_s':>8} "
-              f"{'ttfct_s':>8} {'e2e_s':>8} {'accept':>6} {'first_ok':>8} {'acc':>5} {'=int8':>5}")
+              f"{'ttfct_s':>8} {'e2e_s':>8} {'accept':>6} {'first_ok':>8} {'acc':>5} {'=int8':>5} "
+              f"{'byte1_ms':>8} {'held_MB':>7}")
     lines = [header, "-" * len(header)]
     for bw, ctx, scheme in keys:
         k = (scheme, bw, ctx)
@@ -183,9 +194,14 @@ def summary_table(rows: Sequence[Row]) -> str:
             f"{_fmt(med['ttft_s'].get(k), '8.3f'):>8} {_fmt(med['ttfct_s'].get(k), '8.3f'):>8} "
             f"{_fmt(med['e2e_s'].get(k), '8.3f'):>8} {_fmt(med['acceptance_rate'].get(k), '6.2f'):>6} "
             f"{_fmt(first_ok.get(k), '8.2f'):>8} "
-            f"{_fmt(med['accuracy'].get(k), '5.2f'):>5} {_fmt(med['agreement_vs_int8'].get(k), '5.2f'):>5}"
+            f"{_fmt(med['accuracy'].get(k), '5.2f'):>5} {_fmt(med['agreement_vs_int8'].get(k), '5.2f'):>5} "
+            f"{_fmt(_scaled(first_byte.get(k), 1e3), '8.1f'):>8} {_fmt(_scaled(held.get(k), 1e-6), '7.1f'):>7}"
         )
     return "\n".join(lines)
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

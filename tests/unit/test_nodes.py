@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from lynx_decode.kvheader import cache_bytes
 from lynx_decode.kvsend import warm_up_codec
 from lynx_decode.model.protocol import Prefill
 from lynx_decode.prefill_node import DEFAULT_PREPARE, PrefillNode
+from lynx_decode.send_record import RecordsFile, read_records, wait_record
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.errors import ConnectError
 from lynx_transport.seam import Transport
@@ -150,6 +152,27 @@ def test_with_no_memory_cache_nothing_is_held_and_each_pull_prefills(transport: 
             decode.run(prefill.address, PROMPT, scheme=scheme, max_new_tokens=4)
         assert model.prefills == 2 and prefill.held_bytes == 0
         assert wait_until(lambda: prefill.served == 2, 5)
+
+
+def test_each_sent_request_leaves_a_record_its_decode_node_can_join(transport: Transport, tmp_path: Path) -> None:
+    model = CountingToyLM()
+    waits = Timeouts(stream_s=5.0)
+    records = RecordsFile(tmp_path / "records.jsonl")
+    with PrefillNode(model, transport=transport, timeouts=waits, on_sent=records) as prefill, \
+            DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=POOL) as decode:
+        runs = [decode.run(prefill.address, PROMPT, scheme=scheme, max_new_tokens=4)
+                for scheme in (Scheme.INT8, Scheme.LYNX)]
+        assert wait_until(lambda: prefill.served == 2, 5)
+    records.close()
+    for run, scheme in zip(runs, ("int8", "lynx"), strict=True):
+        got = wait_record(tmp_path / "records.jsonl", run.metrics["request_id"], 5.0)
+        assert got is not None and got["scheme"] == scheme
+        assert got["t0_unix"] == run.metrics["t0_unix"]  # the same t0 the KV header carried
+        # the first byte went out after t0 and before the receiver confirmed the stream
+        assert 0 <= got["first_byte_s"] <= got["sent_s"]
+        assert got["bytes_anchor"] == run.metrics["bytes_anchor"]
+        assert got["held_bytes"] == prefill.held_bytes  # one prompt: everything held is its
+    assert read_records(tmp_path / "records.jsonl").keys() == {r.metrics["request_id"] for r in runs}
 
 
 @pytest.mark.parametrize("scheme", [Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX])

@@ -53,7 +53,7 @@ def test_columns_are_the_documented_fixed_set() -> None:
     assert COLUMNS == (
         "scheme", "planes", "bandwidth_gbps", "context", "prompt_id", "repeat", "ttft_s", "ttfct_s", "e2e_s",
         "first_token_correct", "acceptance_rate", "bytes_anchor", "bytes_residual", "bytes_total", "accuracy",
-        "agreement_vs_int8", "agreement_vs_bf16", "text", "physical_limit_s",
+        "agreement_vs_int8", "agreement_vs_bf16", "text", "physical_limit_s", "first_byte_s", "held_bytes",
     )
 
 
