@@ -89,8 +89,10 @@ class DecodeNode:
         self._transport_config = self.timeouts.transport(config)
         self._streams = AwaitedStreams(model, self._take_buffers)
         self._kv_free: dict[tuple[str, KVShape, int], list[KVBuffers]] = {}
-        #: what ``planes="auto"`` knows: the link rate seen per server, the decode step seen
+        #: what ``planes="auto"`` knows: the link rate seen per server (t0 to the last byte),
+        #: the decode step seen; and the rate bytes flowed at, for the next stream's estimates
         self._seen_gbps: dict[tuple[str, int], float] = {}
+        self._seen_flow_gbps: dict[tuple[str, int], float] = {}
         self._seen_step_s: float | None = None
         self._conns: dict[tuple[str, int], Sender] = {}
         self._lock = threading.Lock()
@@ -215,7 +217,7 @@ class DecodeNode:
         request = KVRequest(request_id, scheme, split, kind, self.address, bandwidth_gbps,
                             hold_residual=hold)
         waiting = AwaitedStream(cf.Future(), max_new_tokens + max_draft + 2,
-                           bandwidth_gbps if bandwidth_gbps is not None else self._seen_gbps.get(server))
+                           bandwidth_gbps if bandwidth_gbps is not None else self._seen_flow_gbps.get(server))
         self._streams.add(request_id, waiting)
         try:
             result = self._run(server, request, payload, waiting, max_new_tokens=max_new_tokens,
@@ -244,6 +246,11 @@ class DecodeNode:
         ends = [t for t in (m.get("transfer_anchor_s"), m.get("transfer_residual_s")) if t]
         if ends and m.get("bytes_total"):
             self._seen_gbps[server] = m["bytes_total"] * 8 / max(ends) / 1e9
+        times = [t for plane in m.get("arrivals_s") or () for t in plane]
+        if len(times) > 1 and max(times) > min(times) and m.get("bytes_total"):
+            # the rate bytes came at once flowing (t0 to the first region is the prefill
+            # node's start, not the link's): the next stream's arrival estimate starts on it
+            self._seen_flow_gbps[server] = m["bytes_total"] * 8 / (max(times) - min(times)) / 1e9
         step = m.get("step_s")
         if step is not None:
             self._seen_step_s = step if self._seen_step_s is None else 0.5 * (self._seen_step_s + step)

@@ -30,7 +30,34 @@ from lynx_decode.model.protocol import ModelInfo
 from lynx_transport import ReceivedRegion, ReceiveStream
 from lynx_transport.errors import LynxError, TransportError
 
-__all__ = ["KVAssembler"]
+__all__ = ["KVAssembler", "arrival_eta"]
+
+#: The share of a stream's bytes that must have landed before :func:`arrival_eta`
+#: trusts the stream's own arrival rate over the prior one.
+OWN_RATE_AFTER = 0.125
+
+
+def arrival_eta(missing: int, landed: int, total: int, first: float | None, now: float,
+                prior_gbps: float | None) -> float | None:
+    """Seconds until a stream's ``missing`` bytes land: 0 when none are missing, else
+    ``missing`` over a rate. The rate is ``prior_gbps`` (the link rate asked for, or the
+    one the connection's last stream flowed at) until :data:`OWN_RATE_AFTER` of the
+    stream's ``total`` bytes have landed after its first region, then the stream's own:
+    ``landed`` bytes after the first region (which landed at ``first``; None: fewer than
+    two regions in) over the time since. A stream's first regions come at the sender's
+    pace in starting, not the link's (on loopback the first two ~2 ms apart, the next
+    ones 0.2 ms), so an early own rate errs late by several times. Without a prior the
+    own rate counts from the second region; a held lane's wait counts as time, so it
+    errs late. None with neither."""
+    if missing == 0:
+        return 0.0
+    own = first is not None and landed > 0 and now > first
+    if prior_gbps is not None and (not own or landed < OWN_RATE_AFTER * total):
+        return missing * 8 / (prior_gbps * 1e9)
+    if not own:
+        return None
+    assert first is not None
+    return missing * (now - first) / landed
 
 
 class KVAssembler:
@@ -82,6 +109,7 @@ class KVAssembler:
         #: bytes of each region, [plane][layer] (a sliding layer's are its window's)
         self.layer_bytes = [[layer.plane_size(p) for layer in self.header.layout.layers]
                             for p in range(self.num_planes)]
+        self._total_bytes = sum(sum(plane) for plane in self.layer_bytes)
         self._first_arrival: float | None = None
         self._last_arrival: float | None = None
         self._bytes_after_first = 0
@@ -132,19 +160,13 @@ class KVAssembler:
         return True
 
     def eta(self, level: int) -> float | None:
-        """Seconds until every region of planes ``0..level`` has landed: the bytes still
-        missing over the stream's arrival rate so far (bytes landed after the first
-        region over the time since it; a held lane's wait counts as time, so this
-        errs late). 0 when in; None before two regions landed."""
+        """Seconds until every region of planes ``0..level`` has landed (0 when in; None
+        when nothing gives a rate): see :func:`arrival_eta`."""
         with self._lock:
             first, last, landed = self._first_arrival, self._last_arrival, self._bytes_after_first
             missing = sum(int(np.dot(~self._landed[p], self.layer_bytes[p])) for p in range(level + 1))
-        if missing == 0:
-            return 0.0
-        if first is None or last is None or last <= first or landed <= 0:
-            return None if self.prior_gbps is None else missing * 8 / (self.prior_gbps * 1e9)
-        rate = landed / (self.clock() - first)
-        return missing / rate
+        flowing = first if first is not None and last is not None and last > first else None
+        return arrival_eta(missing, landed, self._total_bytes, flowing, self.clock(), self.prior_gbps)
 
     # -- callbacks (transport callback thread) ---------------------------------------------
     def on_region(self, region: ReceivedRegion) -> None:
