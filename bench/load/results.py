@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from lynx_bench.common.stats import percentile
 from lynx_decode.codec.config import Scheme
 
 __all__ = [
-    "Status", "RequestRow", "REQUEST_FIELDS", "request_row", "percentile", "SummaryRow", "SUMMARY_FIELDS",
+    "Status", "RequestRow", "REQUEST_FIELDS", "request_row", "SummaryRow", "SUMMARY_FIELDS",
     "summarize", "peak_egress_gbps", "send_record_summary",
 ]
 
@@ -93,20 +93,6 @@ def request_row(scheme: str, load: float, decode_node: int, phase_start_unix: fl
 
 
 # -- summary ------------------------------------------------------------------------------------
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) with linear interpolation between the closest
-    ranks (NumPy's default method); ``None`` for no values."""
-    xs = sorted(float(v) for v in values)
-    if not xs:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
 
 @dataclasses.dataclass(frozen=True)
 class SummaryRow:

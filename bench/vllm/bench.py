@@ -64,9 +64,9 @@ from pathlib import Path
 from typing import Any
 
 from lynx_bench.common.errors import LinkError, VllmNodeError
+from lynx_bench.common.stats import percentile
 from lynx_bench.vllm.bench_records import (
     decode_overlaps,
-    percentile,
     shaping_error,
     ttft_breakdown,
     wire_gbps,
@@ -259,7 +259,7 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
                              "ttft_breakdown_ms": ttft_breakdown(records or [], loads, prefix)}
     results.details[name]["decode_overlaps"] = decode_overlaps(records or [], loads, prefix)
     rates = wire_gbps(records or [], loads, prefix)
-    results.details[name]["wire_gbps"] = {"median": percentile(rates, 50) if rates else None, "n": len(rates)}
+    results.details[name]["wire_gbps"] = {"median": percentile(rates, 50), "n": len(rates)}
     why = shaping_error(link, rates)
     if why is not None:
         say(f"{name}: NOT SHAPED: {why}")

@@ -7,23 +7,14 @@ shaped). Pure: records in, numbers out; no I/O, no vLLM imports."""
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["percentile", "median_p99", "consumer_ttfts", "ttft_breakdown", "wire_gbps", "decode_overlaps",
+from lynx_bench.common.stats import percentile
+
+__all__ = ["median_p99", "consumer_ttfts", "ttft_breakdown", "wire_gbps", "decode_overlaps",
            "SHAPING_SLACK", "shaping_error"]
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """The ``p``-th percentile with linear interpolation (numpy's default, as vLLM's benchmark)."""
-    if not values:
-        raise ValueError("no values")
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def consumer_ttfts(proxy_records: Iterable[Mapping[str, Any]], prefix: str) -> list[float]:
@@ -40,8 +31,6 @@ def consumer_ttfts(proxy_records: Iterable[Mapping[str, Any]], prefix: str) -> l
 
 
 def median_p99(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {"median": None, "p99": None}
     return {"median": percentile(values, 50), "p99": percentile(values, 99)}
 
 
@@ -145,10 +134,8 @@ SHAPING_SLACK = 1.1
 def shaping_error(link_gbps: float | None, rates: Sequence[float]) -> str | None:
     """Why a run's rows cannot be read as shaped (its loads' median rate over ``link_gbps`` x
     :data:`SHAPING_SLACK`: the bytes took another path than the link), or None."""
-    if link_gbps is None or not rates:
-        return None
     median = percentile(rates, 50)
-    if median <= link_gbps * SHAPING_SLACK:
+    if link_gbps is None or median is None or median <= link_gbps * SHAPING_SLACK:
         return None
     return (f"its loads crossed at {median:.2f} Gbit/s (median of {len(rates)}), faster than the "
             f"{link_gbps:g} Gbit/s link: the bytes did not go through it")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lynx_bench.common.stats import percentile
 from lynx_bench.load.logic import (
     LoadConfig,
     ModelShape,
@@ -30,7 +31,6 @@ from lynx_bench.load.results import (
     RequestRow,
     Status,
     peak_egress_gbps,
-    percentile,
     request_row,
     summarize,
 )
@@ -156,6 +156,7 @@ def test_percentile_matches_numpy_linear(n: int, q: float) -> None:
 def test_percentile_of_nothing_is_none() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0], 99) == 3.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0  # sorts its input
     with pytest.raises(ValueError):
         percentile([1.0], 101)
 

@@ -15,7 +15,6 @@ import pytest
 from lynx_bench.vllm.bench_records import (
     consumer_ttfts,
     decode_overlaps,
-    percentile,
     shaping_error,
     ttft_breakdown,
     wire_gbps,
@@ -109,15 +108,6 @@ def test_the_rate_rule_says_where_the_rate_came_from() -> None:
     assert "0.7 x the producer's prefill throughput" in auto
     assert "2048-token" in auto and "lynx-unshaped-producer" in auto and "8.000 s" in auto and "0.0875" in auto
     assert rate_rule(0.2, None, 2048, None) == "fixed: --rate 0.2 requests/s"
-
-
-def test_percentile_interpolates_as_numpy_does() -> None:
-    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile([0.0, 100.0], 99) == pytest.approx(99.0)
-    assert percentile([7.0], 99) == 7.0
-    with pytest.raises(ValueError):
-        percentile([], 50)
 
 
 # -- the rows ---------------------------------------------------------------------------------
