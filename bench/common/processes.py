@@ -1,7 +1,11 @@
 """Child processes of the sweep: started with their output read line by line on a
 thread, so the driver can wait for a line with a timeout and never hangs on a
 child that died. stderr goes to a log file; a child that exits early raises
-:class:`ChildError` with the end of that log."""
+:class:`ChildError` with the end of that log.
+
+Every child runs with ``PYTHONSAFEPATH=1``: a ``python -m`` started in the checkout
+would otherwise put the working directory first on ``sys.path``, where ``kernels/``
+hides the PyPI package ``kernels`` that transformers imports (see the README)."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ class Child:
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("wb")
-        full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
         self.proc = popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=self._log, env=full_env, text=True, bufsize=1)
         self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
