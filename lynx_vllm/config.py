@@ -10,14 +10,13 @@ Keys (all optional except ``port`` on a producer):
 ``scheme`` / ``planes``
     How the consumer asks for caches: ``bf16`` (lossless), ``int8``, ``int4`` or
     ``lynx`` (default; anchor + residual, exactly INT8 once both landed) with its
-    plane split: ``"auto"`` (default) or widths such as ``"4,4"``. Auto chooses per
-    load with :func:`lynx_decode.split_choice.choose_split`, from the INT8 cache's
-    size and the link rate (``bandwidth_gbps``, else the rate this consumer saw on
-    its last load from that producer; ``4,4`` before any), possibly no split, then
-    the load is INT8 (its record says what ran and why: ``scheme``, ``planes``,
-    ``split_choice``). A vLLM consumer waits for every plane of a layer, so the
-    split only orders the bytes on the link. A request's
-    ``kv_transfer_params["lynx"]`` may override both.
+    plane split: ``"auto"`` (default) or widths such as ``"4,4"``. A vLLM consumer
+    reads a layer only once every plane of it has landed (vLLM cannot decode on the
+    anchors yet), so a split only reorders the bytes: layer 0 waits for its residual
+    behind every layer's anchor, and the load pays a region per plane. Auto therefore
+    pulls INT8, the same cache without the split, whatever the link (the load's record
+    says so: ``scheme`` ``int8``, ``split_choice``); give widths to measure a split. A
+    request's ``kv_transfer_params["lynx"]`` may override both.
 ``bandwidth_gbps``
     The producer's egress rate, every consumer together (Lynx's shaper; default
     unshaped).
@@ -65,17 +64,14 @@ from typing import Any, Literal
 
 from lynx_decode.codec.config import CodecConfig, Scheme, check_planes, parse_planes
 from lynx_decode.errors import CodecError
-from lynx_decode.kvheader import cache_bytes
-from lynx_decode.model.geometry import LayerGeometry
-from lynx_decode.split_choice import choose_split_or_default
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.config import TransportConfig
 from lynx_vllm.errors import ConnectorError
 
 __all__ = ["ConnectorConfig", "LoadMode", "Planes", "codec_config", "scheme_of", "planes_of", "load_mode_of",
-           "resolve_split", "prepared_forms"]
+           "resolve_split", "prepared_forms", "NO_SPLIT_IN_VLLM"]
 
-#: A LYNX split, or ``"auto"``: chosen per load (:func:`resolve_split`).
+#: A LYNX split, or ``"auto"`` (:func:`resolve_split`: no split in vLLM).
 Planes = tuple[int, ...] | Literal["auto"]
 
 _KEYS = frozenset({"host", "port", "scheme", "planes", "bandwidth_gbps", "timeout_s", "peer_timeout_s",
@@ -216,27 +212,26 @@ class ConnectorConfig:
         return scheme, planes
 
 
-def resolve_split(scheme: Scheme, planes: Planes, geometry: tuple[LayerGeometry, ...], prompt_tokens: int,
-                  rate_gbps: float | None) -> tuple[Scheme, tuple[int, ...], str | None]:
-    """The scheme and split a load of ``prompt_tokens`` pulls, and why (None unless ``auto`` chose):
-    ``auto`` with LYNX takes :func:`~lynx_decode.split_choice.choose_split` for the INT8 cache on a
-    link of ``rate_gbps`` (``4,4`` when None: nothing known yet), and INT8 when it chooses no split."""
+#: Why ``auto`` pulls INT8 in vLLM (a load record's ``split_choice``).
+NO_SPLIT_IN_VLLM = ("int8 (no split): a vLLM consumer reads a layer once all its planes landed, "
+                    "so a split cannot bring the first token sooner")
+
+
+def resolve_split(scheme: Scheme, planes: Planes) -> tuple[Scheme, tuple[int, ...], str | None]:
+    """The scheme and split a load pulls, and why (None unless ``auto`` chose): ``auto`` with LYNX
+    pulls INT8 (:data:`NO_SPLIT_IN_VLLM`; unlike Lynx's own decode node, which drafts on the
+    anchors and so takes :func:`~lynx_decode.split_choice.choose_split`); a given split, or
+    another scheme, is taken as it is."""
     if planes != "auto":
         return scheme, planes, None
     if scheme is not Scheme.LYNX:
         return scheme, (4, 4), None
-    int8_bytes = cache_bytes(geometry, max(1, prompt_tokens - 1), CodecConfig(Scheme.INT8))
-    choice = choose_split_or_default(int8_bytes, rate_gbps)
-    if choice.planes is None:
-        return Scheme.INT8, (4, 4), choice.reason
-    return Scheme.LYNX, choice.planes, choice.reason
+    return Scheme.INT8, (4, 4), NO_SPLIT_IN_VLLM
 
 
 def prepared_forms(scheme: Scheme, planes: Planes) -> tuple[CodecConfig, ...]:
     """The forms a producer encodes each saved layer into for consumers configured with
-    ``scheme``/``planes``: that form (for auto, every form it may choose: INT8, LYNX ``4,4`` and
-    ``3,5``)."""
-    if scheme is Scheme.LYNX and planes == "auto":
-        return (CodecConfig(Scheme.INT8), CodecConfig(Scheme.LYNX, planes=(4, 4)),
-                CodecConfig(Scheme.LYNX, planes=(3, 5)))
-    return (codec_config(scheme, (4, 4) if planes == "auto" else planes),)
+    ``scheme``/``planes``: the form such a consumer pulls (:func:`resolve_split`; INT8 for LYNX
+    ``auto``)."""
+    pulled, split, _ = resolve_split(scheme, planes)
+    return (codec_config(pulled, split),)

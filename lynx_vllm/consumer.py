@@ -110,7 +110,6 @@ class KVLoader:
         self._release_on_complete: set[int] = set()
         self._conns: dict[tuple[str, int], Sender] = {}
         self._conn_lock = threading.Lock()
-        self._seen_gbps: dict[tuple[str, int], float] = {}  # the rate of the last load from each producer
         warm_up_codec()
         self._egress = transport.egress(self._transport_config)
         self._receiver = transport.listen(
@@ -126,13 +125,9 @@ class KVLoader:
     def start(self, request_id: str, producer: tuple[str, int], prompt_ids: Sequence[int], *,
               scheme: Scheme, planes: Planes, mode: LoadMode = LoadMode.SYNC) -> Load:
         """Ask ``producer`` for the cache of ``prompt_ids[:-1]``. Never raises: a load that could not
-        start comes back already failed. ``planes="auto"``: the split chosen for the link
-        (:func:`~lynx_vllm.config.resolve_split`; possibly none, then the pull is INT8). ``mode``
-        only goes into the load's record."""
-        with self._lock:
-            seen = self._seen_gbps.get(producer)
-        rate = self.config.bandwidth_gbps if self.config.bandwidth_gbps is not None else seen
-        pulled, split, why = resolve_split(scheme, planes, self.info.layers, len(prompt_ids), rate)
+        start comes back already failed. ``planes="auto"``: no split, the pull is INT8
+        (:func:`~lynx_vllm.config.resolve_split`). ``mode`` only goes into the load's record."""
+        pulled, split, why = resolve_split(scheme, planes)
         load = Load(request_id, f"{request_id}#{self._nonce}.{next(self._ids)}", producer, pulled, split,
                     len(prompt_ids), deadline=time.monotonic() + self.config.timeout_s, mode=mode,
                     asked=scheme, split_choice=why)
@@ -201,10 +196,6 @@ class KVLoader:
             else:
                 self._end(stream, "the consumer finished without the rest of the stream")
         record = load.record()
-        landed, opened = load.times.get("last_layer_landed_at"), load.times.get("header_at")
-        if load.error is None and record["bytes_on_wire"] and landed and opened and landed > opened:
-            with self._lock:  # what auto takes for this producer's link next time
-                self._seen_gbps[load.producer] = record["bytes_on_wire"] * 8 / (landed - opened) / 1e9
         if load.error is None:
             log.info("loaded %s: %d tokens, %s, %.1f MB, %.3f s from the pull to the last layer",
                      load.request_id, load.prompt_tokens - 1, load.scheme.value, (record["bytes_on_wire"] or 0) / 1e6,

@@ -67,6 +67,7 @@ from lynx_bench.common.errors import LinkError, VllmNodeError
 from lynx_bench.common.stats import percentile
 from lynx_bench.vllm.bench_records import (
     decode_overlaps,
+    pulled,
     shaping_error,
     ttft_breakdown,
     wire_gbps,
@@ -246,7 +247,8 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
     result = bench.benchmark(endpoint.url, align.url, request_rate, prefix, run_dir)
     records = _records(stats) if proxy is not None else None
     loads = _records(bench.out / "runs" / f"{tag}-consumer-loads.jsonl")
-    row = run_row(c, link, request_rate, args.requests, result, records, prefix, tpot_unloaded=unloaded)
+    row = run_row(c, link, request_rate, args.requests, result, records, prefix, tpot_unloaded=unloaded,
+                  pulled=pulled(records or [], loads, prefix))
     results.rows.append(row)
     errs = result.get("errors") or []
     results.texts.append([None if (k < len(errs) and errs[k]) else t

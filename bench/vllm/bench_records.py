@@ -13,7 +13,7 @@ from typing import Any
 
 from lynx_bench.common.stats import percentile
 
-__all__ = ["median_p99", "consumer_ttfts", "ttft_breakdown", "wire_gbps", "decode_overlaps",
+__all__ = ["median_p99", "consumer_ttfts", "ttft_breakdown", "wire_gbps", "pulled", "decode_overlaps",
            "SHAPING_SLACK", "shaping_error"]
 
 
@@ -98,6 +98,16 @@ def wire_gbps(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mappin
         if start is not None and end is not None and nbytes and end > start:
             out.append(nbytes * 8 / (end - start) / 1e9)
     return out
+
+
+def pulled(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],
+           prefix: str) -> list[str] | None:
+    """What a run's loads pulled, each distinct form once in order of first pull (``int8``,
+    ``lynx 4,4``: the consumer's records, matched as in :func:`ttft_breakdown`), None without any
+    load: a ``lynx`` configuration may pull INT8 (``auto`` in vLLM, see ``lynx_vllm.config``)."""
+    forms = [load["scheme"] + ("" if not load.get("planes") else " " + ",".join(map(str, load["planes"])))
+             for _, load in _proxied_loads(proxy_records, loads, prefix) if load is not None and load.get("scheme")]
+    return list(dict.fromkeys(forms)) or None
 
 
 def decode_overlaps(proxy_records: Iterable[Mapping[str, Any]], loads: Iterable[Mapping[str, Any]],

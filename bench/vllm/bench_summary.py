@@ -11,7 +11,8 @@ across commits)::
      "requests": n, "completed": n, "failed": n,
      "ttft_ms": {"mean", "median", "p99"}, "tpot_ms": {...}, "itl_ms": {...}, "e2el_ms": {...},
      "consumer_ttft_ms": {"median", "p99"}, "equal_to_int8": bool | null,
-     "tpot_unloaded_ms": {"idle": {"median", "p99"}, "beside_prefills": {...}} | null}
+     "tpot_unloaded_ms": {"idle": {"median", "p99"}, "beside_prefills": {...}} | null,
+     "pulled": ["int8" | "lynx 4,4" | ...] | null}
 
 ``ttft_ms`` ... ``e2el_ms`` are vLLM's (its ``--save-result`` JSON, the client's clock, the
 producer's prefill included). ``link_shaping`` (:func:`link_shaping`): ``netns-tc``, the
@@ -26,7 +27,9 @@ an ``int8`` run. ``tpot_unloaded_ms``: for an asynchronous configuration, the sa
 TPOT with no load beside it (a few requests one at a time through the same proxy, before the
 measured run; ``idle`` with nothing else running, ``beside_prefills`` with the producer prefilling
 other prompts at the run's rate), against which its loaded ``tpot_ms`` p99 is judged; null for the
-others. What the records of a run say beyond the row (where each TTFT goes, what ran beside each
+others. ``pulled``: what the consumer's loads pulled, each form once (a ``lynx`` row with the
+default ``planes: auto`` pulls ``int8`` in vLLM, :func:`lynx_vllm.config.resolve_split`); null
+without load records. What the records of a run say beyond the row (where each TTFT goes, what ran beside each
 decode, the loads' wire rate) is :mod:`lynx_bench.vllm.bench_records`. A
 configuration that could not run (e.g. NIXL not installed) has a row with ``completed: 0``, its
 metrics null, and its exact error in ``config["errors"]``.
@@ -186,10 +189,13 @@ def metric(result: Mapping[str, Any], name: str) -> dict[str, float | None]:
 
 def run_row(config: BenchConfig, link_gbps: float | None, rate: float, requests: int, result: Mapping[str, Any],
             proxy_records: Iterable[Mapping[str, Any]] | None, prefix: str, *,
-            tpot_unloaded: Mapping[str, Mapping[str, float | None]] | None = None) -> dict[str, Any]:
+            tpot_unloaded: Mapping[str, Mapping[str, float | None]] | None = None,
+            pulled: Sequence[str] | None = None) -> dict[str, Any]:
     """One row of ``summary.json`` (``equal_to_int8`` left null: :func:`fill_equal_to_int8`);
     ``tpot_unloaded``: the configuration's unloaded TPOT, if measured, by condition (``idle``, nothing
-    beside; ``beside_prefills``, the producer prefilling at the run's rate), each ``{"median", "p99"}``."""
+    beside; ``beside_prefills``, the producer prefilling at the run's rate), each ``{"median", "p99"}``;
+    ``pulled``: the forms the consumer's loads pulled (``bench_records.pulled``; a ``lynx`` row with
+    ``auto`` pulls ``int8``)."""
     consumer = (median_p99(consumer_ttfts(proxy_records, prefix)) if proxy_records is not None
                 else {"median": None, "p99": None})
     return {"connector": config.connector.value, "scheme": config.scheme, "load": config.load,
@@ -197,7 +203,8 @@ def run_row(config: BenchConfig, link_gbps: float | None, rate: float, requests:
             "completed": int(result.get("completed", 0)),
             "failed": int(result.get("failed", requests - int(result.get("completed", 0)))),
             **{f"{m}_ms": metric(result, m) for m in METRICS}, "consumer_ttft_ms": consumer, "equal_to_int8": None,
-            "tpot_unloaded_ms": None if tpot_unloaded is None else {k: dict(v) for k, v in tpot_unloaded.items()}}
+            "tpot_unloaded_ms": None if tpot_unloaded is None else {k: dict(v) for k, v in tpot_unloaded.items()},
+            "pulled": None if pulled is None else list(pulled)}
 
 
 def failed_row(config: BenchConfig, link_gbps: float | None, rate: float | None, requests: int) -> dict[str, Any]:
@@ -207,7 +214,7 @@ def failed_row(config: BenchConfig, link_gbps: float | None, rate: float | None,
             "link_gbps": link_gbps, "link_shaping": link_shaping(link_gbps), "rate": rate, "requests": requests,
             "completed": 0, "failed": requests,
             **{f"{m}_ms": dict(none) for m in METRICS}, "consumer_ttft_ms": {"median": None, "p99": None},
-            "equal_to_int8": None, "tpot_unloaded_ms": None}
+            "equal_to_int8": None, "tpot_unloaded_ms": None, "pulled": None}
 
 
 def fill_equal_to_int8(rows: Sequence[dict[str, Any]], texts: Sequence[Sequence[str | None] | None]) -> None:
@@ -244,7 +251,7 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
     head = (f"{'config':<17} {'link':>8} {'rate/s':>7} {'ok/fail':>8} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
             f"{'cons p50':>8} {'cons p99':>8} {'TPOT p50':>8} {'p99':>5} {'unl':>5} {'unl+pf':>6} {'ITL p50':>7} "
             f"{'E2EL p50':>8} "
-            f"{'=int8':>5}")
+            f"{'=int8':>5} {'pulled':<10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         eq = "-" if r["equal_to_int8"] is None else ("yes" if r["equal_to_int8"] else "NO")
@@ -256,7 +263,7 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
                      f"{ms(r['tpot_ms']['median']):>8} {ms(r['tpot_ms']['p99']):>5} "
                      f"{ms((unloaded.get('idle') or {}).get('median')):>5} "
                      f"{ms((unloaded.get('beside_prefills') or {}).get('p99')):>6} {ms(r['itl_ms']['median']):>7} "
-                     f"{ms(r['e2el_ms']['median']):>8} {eq:>5}")
+                     f"{ms(r['e2el_ms']['median']):>8} {eq:>5} {'/'.join(r.get('pulled') or ['-']):<10}")
     return "\n".join(lines)
 
 

@@ -36,8 +36,8 @@ def prompt_ids(n: int, seed: int = 1) -> list[int]:
 
 def with_scheme(params: dict[str, Any], scheme: str) -> dict[str, Any]:
     """A copy of a producer's ``kv_transfer_params`` asking for ``scheme``; ``lynx`` with the fixed
-    split 4,4, so the LYNX planes cross whatever the link (the connector's default, ``auto``, may
-    pull INT8 for a small cache on a fast link; ``test_vllm_serve`` runs that default)."""
+    split 4,4, so the LYNX planes cross (the connector's default, ``auto``, pulls INT8 in vLLM;
+    ``test_vllm_serve`` runs that default)."""
     p = json.loads(json.dumps(params))
     p["lynx"]["scheme"] = scheme
     if scheme == "lynx":

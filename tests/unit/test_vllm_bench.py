@@ -15,6 +15,7 @@ import pytest
 from lynx_bench.vllm.bench_records import (
     consumer_ttfts,
     decode_overlaps,
+    pulled,
     shaping_error,
     ttft_breakdown,
     wire_gbps,
@@ -37,7 +38,8 @@ from lynx_bench.vllm.bench_summary import (
 FIXTURE = Path(__file__).parent / "data" / "vllm_bench_result.json"
 ROW_KEYS = {"connector", "scheme", "load", "link_gbps", "link_shaping",
             "rate", "requests", "completed", "failed", "ttft_ms",
-            "tpot_ms", "itl_ms", "e2el_ms", "consumer_ttft_ms", "equal_to_int8", "tpot_unloaded_ms"}
+            "tpot_ms", "itl_ms", "e2el_ms", "consumer_ttft_ms", "equal_to_int8", "tpot_unloaded_ms",
+            "pulled"}
 INT8 = BenchConfig("lynx-int8", Connector.LYNX, "int8", "sync")
 LYNX = BenchConfig("lynx-lynx", Connector.LYNX, "lynx", "sync")
 
@@ -218,6 +220,22 @@ def test_the_breakdown_finds_each_requests_own_load_among_ids_that_contain_it() 
     assert parts["transfer"]["median"] == pytest.approx(200.0)
     assert parts["first_step"]["median"] == pytest.approx(80.0)
     assert parts["consumer_ttft"]["median"] == pytest.approx(300.0)
+
+
+def test_a_row_says_what_its_loads_pulled_each_form_once() -> None:
+    """A ``lynx`` configuration under ``planes: auto`` pulls INT8 in vLLM: the row says so, from the
+    consumer's own load records (failed loads and other runs' requests left out)."""
+    records = [proxied("lynx-lynx-0.5G-1", 10.0, 10.3), proxied("lynx-lynx-0.5G-2", 20.0, 20.3),
+               proxied("other-1", 10.0, 10.3)]
+    loads = [{"request_id": "cmpl-lynx-lynx-0.5G-1-0-aa", "requested_at": 10.01, "scheme": "int8", "planes": None},
+             {"request_id": "cmpl-lynx-lynx-0.5G-2-0-bb", "requested_at": 20.01, "scheme": "lynx",
+              "planes": [4, 4]},
+             {"request_id": "cmpl-other-1-0-cc", "requested_at": 10.01, "scheme": "bf16", "planes": None}]
+    assert pulled(records, loads, "lynx-lynx-0.5G-") == ["int8", "lynx 4,4"]
+    assert pulled(records, loads[:1], "lynx-lynx-0.5G-") == ["int8"]
+    assert pulled(records, [], "lynx-lynx-0.5G-") is None
+    row = run_row(LYNX, 0.5, 0.4, 3, result(), records, "lynx-lynx-0.5G-", pulled=["int8"])
+    assert row["pulled"] == ["int8"] and table([row]).splitlines()[2].split()[-1] == "int8"
 
 
 def test_each_decode_counts_what_ran_beside_it_another_requests_transfer_or_prefill() -> None:

@@ -98,9 +98,10 @@ class Bench:
 
     def __init__(self, tmp: Path) -> None:
         self.transport = MemoryTransport()
-        # every layer encoded as it is saved into what auto may pull (INT8, LYNX 4,4 and 3,5); a
-        # bf16 pull is encoded by the prefill node when it comes
-        self.held = HeldPrefills(INFO, wait_s=1.0, prepare=prepared_forms(Scheme.LYNX, "auto"))
+        # every layer encoded as it is saved into what these tests pull (INT8 for auto, LYNX 4,4);
+        # a bf16 pull is encoded by the prefill node when it comes
+        self.held = HeldPrefills(INFO, wait_s=1.0,
+                                 prepare=(*prepared_forms(Scheme.LYNX, "auto"), *prepared_forms(Scheme.LYNX, (4, 4))))
         self.node = PrefillNode(self.held, transport=self.transport, memory_cache=0)
         self.stats = tmp / "loads.jsonl"
         config = ConnectorConfig.from_extra({"load": "async", "timeout_s": WAIT_S,

@@ -15,7 +15,7 @@ from lynx_decode.kvencode import EncodedSource, encode_cache
 from lynx_decode.model.protocol import ModelInfo
 from lynx_transport.config import TransportConfig
 from lynx_vllm import paged
-from lynx_vllm.config import ConnectorConfig, prepared_forms, resolve_split
+from lynx_vllm.config import NO_SPLIT_IN_VLLM, ConnectorConfig, prepared_forms, resolve_split
 from lynx_vllm.errors import ConnectorError
 from lynx_vllm.plan import (
     REMOTE_DECODE,
@@ -337,31 +337,26 @@ def test_bfloat16_conversions_are_torchs_exactly() -> None:
 
 
 # -- auto split and the forms prepared at save -------------------------------------------------
-def test_auto_is_the_default_split_and_resolves_per_link() -> None:
-    geometry = _info(layers=30).layers
-    # nothing known about the link: 4,4
-    assert resolve_split(Scheme.LYNX, "auto", geometry, 4096, None)[:2] == (Scheme.LYNX, (4, 4))
-    # a cache that crosses in well under three decode steps: no split, the pull is INT8, and it says why
-    scheme, _, why = resolve_split(Scheme.LYNX, "auto", geometry, 64, 100.0)
-    assert scheme is Scheme.INT8 and why is not None and why.startswith("int8 (no split)")
-    # a slow link: a split, and the reason names the transfer in decode steps
-    scheme, planes, why = resolve_split(Scheme.LYNX, "auto", geometry, 200_000, 0.1)
-    assert scheme is Scheme.LYNX and planes == (3, 5) and why is not None and "decode steps" in why
+def test_auto_is_the_default_split_and_pulls_int8_in_vllm() -> None:
+    # a vLLM consumer reads a layer once every plane of it landed, so auto splits nothing,
+    # and the record's reason says so
+    assert ConnectorConfig.from_extra({}, producer=False).planes == "auto"
+    assert resolve_split(Scheme.LYNX, "auto") == (Scheme.INT8, (4, 4), NO_SPLIT_IN_VLLM)
+    assert NO_SPLIT_IN_VLLM.startswith("int8 (no split)")
     # a given split, or another scheme, is taken as it is
-    assert resolve_split(Scheme.LYNX, (2, 2, 4), geometry, 64, 100.0) == (Scheme.LYNX, (2, 2, 4), None)
-    assert resolve_split(Scheme.BF16, "auto", geometry, 64, 0.1)[0] is Scheme.BF16
+    assert resolve_split(Scheme.LYNX, (2, 2, 4)) == (Scheme.LYNX, (2, 2, 4), None)
+    assert resolve_split(Scheme.BF16, "auto") == (Scheme.BF16, (4, 4), None)
     assert ConnectorConfig.from_extra({"planes": "AUTO"}, producer=False).planes == "auto"
 
 
 def test_the_producer_prepares_what_its_consumers_are_configured_to_pull() -> None:
-    assert prepared_forms(Scheme.LYNX, "auto") == (
-        CodecConfig(Scheme.INT8), CodecConfig(Scheme.LYNX, planes=(4, 4)), CodecConfig(Scheme.LYNX, planes=(3, 5)))
+    assert prepared_forms(Scheme.LYNX, "auto") == (CodecConfig(Scheme.INT8),)
     assert prepared_forms(Scheme.LYNX, (2, 2, 4)) == (CodecConfig(Scheme.LYNX, planes=(2, 2, 4)),)
     assert prepared_forms(Scheme.BF16, "auto") == (CodecConfig(Scheme.BF16),)
 
 
 def test_held_prefills_encode_each_layer_as_it_is_saved() -> None:
-    forms = prepared_forms(Scheme.LYNX, "auto")
+    forms = (CodecConfig(Scheme.INT8), CodecConfig(Scheme.LYNX, planes=(4, 4)), CodecConfig(Scheme.LYNX, planes=(3, 5)))
     held = HeldPrefills(_info(layers=3), prepare=forms, wait_s=0.1)
     try:
         assert isinstance(held, EncodedSource)
