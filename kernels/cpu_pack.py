@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from lynx_kernels._nt import store_fence, stream_store
 
-__all__ = ["split_kernel", "merge_kernel", "unpack_kernel", "pack_kernel", "WIDTHS", "SPLIT_WIDTHS"]
+__all__ = ["split_kernel", "merge_kernel", "unpack_kernel", "pack_kernel", "cut_plane", "WIDTHS", "SPLIT_WIDTHS"]
 
 #: Plane widths with a pack/unpack kernel.
 WIDTHS = (1, 2, 3, 4, 5, 6)
@@ -221,15 +221,56 @@ def _pack6(v, p):  # pragma: no cover - compiled
     _pack(v, p, 6)
 
 
+@njit(cache=True, nogil=True)
+def cut_plane(codes, packed, shift, w):  # pragma: no cover - compiled
+    """``cut_plane(codes, packed, shift, w)``: the ``w``-bit slice at ``shift`` of 8-bit codes
+    (uint64 words of whole blocks) -> its packed words. Serial and ``nogil`` on the calling thread
+    (no parallel launch, no lock): the prefill node cuts LYNX planes from held INT8 codes on its
+    send path, beside a decode node that may hold both cores, where a parallel launch waits for
+    every one of its threads to be scheduled."""
+    mask = np.uint64((1 << w) - 1) * np.uint64(_REP)
+    for blk in range(codes.size // 8):
+        for m in range(w):
+            packed[blk * w + m] = _pack_word(codes, blk * 8, shift, mask, w, m)
+
+
+# The same splits serial and nogil, on the calling thread (see cut_plane for why).
+@njit(cache=True, nogil=True)
+def _split2s(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 2, 6)
+
+
+@njit(cache=True, nogil=True)
+def _split3s(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 3, 5)
+
+
+@njit(cache=True, nogil=True)
+def _split4s(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 4, 4)
+
+
+@njit(cache=True, nogil=True)
+def _split5s(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 5, 3)
+
+
+@njit(cache=True, nogil=True)
+def _split6s(c, a, r):  # pragma: no cover - compiled
+    _split(c, a, r, 6, 2)
+
+
+_SPLIT_SERIAL = {2: _split2s, 3: _split3s, 4: _split4s, 5: _split5s, 6: _split6s}
 _SPLIT = {2: _split2, 3: _split3, 4: _split4, 5: _split5, 6: _split6}
 _MERGE = {2: _merge2, 3: _merge3, 4: _merge4, 5: _merge5, 6: _merge6}
 _UNPACK = {1: _unpack1, 2: _unpack2, 3: _unpack3, 4: _unpack4, 5: _unpack5, 6: _unpack6}
 _PACK = {1: _pack1, 2: _pack2, 3: _pack3, 4: _pack4, 5: _pack5, 6: _pack6}
 
 
-def split_kernel(bits: int) -> Callable[[Any, Any, Any], None]:
-    """``k(codes, anchor, residual)``: 8-bit codes -> anchor (``bits``) and residual (``8 - bits``) words."""
-    return _SPLIT[bits]
+def split_kernel(bits: int, *, serial: bool = False) -> Callable[[Any, Any, Any], None]:
+    """``k(codes, anchor, residual)``: 8-bit codes -> anchor (``bits``) and residual (``8 - bits``) words
+    (``serial``: on the calling thread, ``nogil``, no lock needed)."""
+    return (_SPLIT_SERIAL if serial else _SPLIT)[bits]
 
 
 def merge_kernel(bits: int) -> Callable[[Any, Any, Any], None]:

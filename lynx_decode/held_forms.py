@@ -1,15 +1,27 @@
 """A prompt's cache as the prefill node holds it (:class:`HeldForms`): its
-encoded forms, and the float32 cache when the node keeps it."""
+encoded forms, and the float32 cache when the node keeps it; which form a pull
+is held in (:func:`held_as`: a LYNX split as its INT8 codes)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from lynx_decode.codec.config import CodecConfig, Scheme
+from lynx_decode.codec.config import CodecConfig, Scheme, int8_source
 from lynx_decode.kvencode import EncodedCache
 from lynx_decode.model.protocol import Prefill
 
-__all__ = ["HeldForms", "form_name"]
+__all__ = ["HeldForms", "form_name", "held_as", "DEFAULT_PREPARE"]
+
+#: The forms a prompt's cache is encoded into before any pull asks: INT8, which is also
+#: every LYNX split's (:func:`held_as`; an encode is ~2 % of a CPU prefill).
+DEFAULT_PREPARE = (CodecConfig(Scheme.INT8),)
+
+
+def held_as(config: CodecConfig) -> CodecConfig:
+    """The form a pull of ``config`` is held in: a LYNX split on the MSB grid as its INT8 codes
+    and scales (:func:`~lynx_decode.codec.config.int8_source`), whose planes the send cuts as it
+    supplies each layer (:func:`~lynx_decode.codec.api.lynx_from_int8`); any other as itself."""
+    return int8_source(config) or config
 
 
 @dataclasses.dataclass

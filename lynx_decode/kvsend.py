@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from lynx_decode.codec import decode_layer, encode_layer
-from lynx_decode.codec.config import CodecConfig, Scheme
+from lynx_decode.codec import decode_layer, encode_layer, lynx_from_int8
+from lynx_decode.codec.config import CodecConfig, Scheme, int8_source
 from lynx_decode.codec.layout import CacheLayout, LayerLayout
 from lynx_decode.errors import DecodeError
 from lynx_decode.kvencode import EncodedCache, layer_kv
@@ -35,8 +35,10 @@ __all__ = ["send_cache", "CacheSend", "PlaneSource", "warm_up_codec"]
 
 def warm_up_codec(planes: tuple[int, ...] | None = None) -> None:
     """Encode and decode a tiny layer in every scheme (LYNX with ``planes``, default
-    4,4), so JIT compilation (or loading Numba's on-disk cache) happens at node
-    start-up, not inside a timed run."""
+    4,4), and cut LYNX planes from INT8 codes (that split and ``3,5``, the two
+    ``auto`` chooses; all planes at once and one at a time), so JIT compilation
+    (or loading Numba's on-disk cache) happens at node start-up, not inside a
+    timed run or a send."""
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, 70, 16), dtype=np.float32)
     for scheme in (Scheme.BF16, Scheme.INT8, Scheme.INT4, Scheme.LYNX):
@@ -45,6 +47,12 @@ def warm_up_codec(planes: tuple[int, ...] | None = None) -> None:
         bufs = [encoded.buffers[p] for p in range(encoded.layout.num_planes)]
         for n in range(1, len(bufs) + 1):
             decode_layer(encoded.layout, *bufs[:n])
+    int8 = encode_layer(k, k, CodecConfig(Scheme.INT8))
+    for split in dict.fromkeys((planes or (4, 4), (3, 5))):
+        config = CodecConfig(Scheme.LYNX, planes=split)
+        lynx_from_int8(int8, config)
+        for plane in range(len(split)):
+            lynx_from_int8(int8, config, planes=(plane,))
 
 
 #: Layer ``i``'s buffers of the given planes (encoded now, or taken from a held encoding).
@@ -104,8 +112,13 @@ def send_cache(conn: Sender, cache: Prefill | EncodedCache, model: ModelInfo | s
 
     ``cache``: an :class:`~lynx_decode.kvencode.EncodedCache` (encoded with
     ``config`` for ``model``'s geometry) is sent as it is: the first anchor goes
-    out at once. A :class:`Prefill` is encoded here, layer by layer, each anchor
-    supplied as soon as it is encoded. Anchors go first either way.
+    out at once. An INT8 one sent as a LYNX split (``config``'s
+    :func:`~lynx_decode.codec.config.int8_source`) has each layer's planes cut
+    from its codes as they are supplied
+    (:func:`~lynx_decode.codec.api.lynx_from_int8`: a 4k-token layer of
+    SmolLM2 in ~0.3 ms, both planes in one pass, the residual supplied after
+    the last anchor). A :class:`Prefill` is encoded here, layer by layer, each
+    anchor supplied as soon as it is encoded. Anchors go first either way.
     ``hold_residual`` (LYNX; ignored for one-plane schemes): the lanes of planes
     1.. wait for the receiver's ``release_lane``; a prefill's later planes are
     encoded only then (in :meth:`CacheSend.wait`): each layer is quantized twice,
@@ -125,12 +138,20 @@ def send_cache(conn: Sender, cache: Prefill | EncodedCache, model: ModelInfo | s
         model_id, fingerprint = model.model_id, model.fingerprint
     else:
         model_id, fingerprint = model, None
-    if isinstance(cache, EncodedCache):
-        geometry = _encoded_geometry(cache, model, config)
+    if isinstance(cache, EncodedCache) and cache.config == config:
+        geometry = _encoded_geometry(cache, model)
         layers = [layer.layout for layer in cache.layers]
 
         def planes_of(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
             return {p: cache.layers[i].buffers[p] for p in planes}
+    elif isinstance(cache, EncodedCache):
+        if int8_source(config) != cache.config:
+            raise DecodeError(f"the cache is encoded as {cache.config}, the send asks for {config}")
+        geometry = _encoded_geometry(cache, model)
+        layers = [LayerLayout.build(config, *layer.layout.shape) for layer in cache.layers]
+
+        def planes_of(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
+            return lynx_from_int8(cache.layers[i], config, planes=planes).buffers
     else:
         kv = cache.kv
         shape = kv.shape
@@ -176,11 +197,8 @@ def send_cache(conn: Sender, cache: Prefill | EncodedCache, model: ModelInfo | s
     return CacheSend(stream, planes_of, len(layers), later, keep, deferred, first_supplied)
 
 
-def _encoded_geometry(cache: EncodedCache, model: ModelInfo | str,
-                      config: CodecConfig) -> tuple[LayerGeometry, ...]:
-    """The geometry an encoded cache is sent with, checked against ``model`` and ``config``."""
-    if cache.config != config:
-        raise DecodeError(f"the cache is encoded as {cache.config}, the send asks for {config}")
+def _encoded_geometry(cache: EncodedCache, model: ModelInfo | str) -> tuple[LayerGeometry, ...]:
+    """The geometry an encoded cache is sent with, checked against ``model``."""
     if isinstance(model, ModelInfo) and tuple(model.layers) != cache.geometry:
         raise DecodeError(f"the cache was encoded for another layer geometry than the model {model.model_id}'s")
     return cache.geometry

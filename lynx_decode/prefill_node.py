@@ -13,13 +13,19 @@ Threads (threads + futures, like the transport):
   prefill uses every core), each found first in a small in-memory cache of
   recent prompts (``memory_cache`` entries), then in the on-disk
   :class:`PrefillCache`. It encodes the cache before the send starts: into the
-  request's own form and every form in ``prepare`` (by default INT8 and the
-  LYNX splits ``4,4`` and ``3,5``), and the memory cache holds those encoded
-  forms (:class:`~lynx_decode.kvencode.EncodedCache`), not the float32 cache
-  (``hold_native`` keeps it too); a later pull of a form not held reloads the
-  float32 cache from disk (or prefills again) and encodes it. A model that is
-  an :class:`~lynx_decode.kvencode.EncodedSource` (vLLM's producer, which
-  encodes each layer as vLLM saves it) is asked for the form first;
+  form the request's is sent from and every form in ``prepare`` (by default INT8
+  alone), and the memory cache holds those encoded forms
+  (:class:`~lynx_decode.kvencode.EncodedCache`), not the float32 cache
+  (``hold_native`` keeps it too). A LYNX split not named in ``prepare`` is
+  sent from INT8 (its :func:`~lynx_decode.held_forms.held_as`): the same 8-bit
+  codes and scales, from which the send cuts each layer's planes as it
+  supplies them, so one INT8 cache per prompt serves the int8 pulls and every
+  split (~1 ms of CPU a 4k-token layer of SmolLM2 on the send path, off it
+  wherever a split pays: the layer's anchor takes longer on such a link). A later pull
+  of a form not held (bf16, int4) reloads the float32 cache from disk (or
+  prefills again) and encodes it. A model that is an
+  :class:`~lynx_decode.kvencode.EncodedSource` (vLLM's producer, which encodes
+  each layer as vLLM saves it) is asked for the held form first;
 * each prefilled request is then sent by a thread of its own (``lynx-send``):
   its anchors at once, its held residual once the decode node releases it, and
   waiting for the confirmation, so one request's held residual never delays
@@ -61,7 +67,7 @@ import numpy as np
 
 from lynx_decode.codec.config import CodecConfig, Scheme
 from lynx_decode.errors import DecodeError
-from lynx_decode.held_forms import HeldForms, form_name
+from lynx_decode.held_forms import DEFAULT_PREPARE, HeldForms, form_name, held_as
 from lynx_decode.kvencode import EncodedCache, EncodedSource, encode_cache
 from lynx_decode.kvsend import send_cache, warm_up_codec
 from lynx_decode.model.protocol import CausalLM
@@ -73,17 +79,13 @@ from lynx_transport import UCX, Lane, Rate, ReceivePool, ReceiveStream, Transpor
 from lynx_transport.errors import ConfigError, LynxError, TransportError
 from lynx_transport.seam import ReceiverCallbacks, Sender, Transport
 
-__all__ = ["PrefillNode"]
+__all__ = ["PrefillNode", "DEFAULT_PREPARE"]
 
 log = logging.getLogger("lynx_decode.prefill")
 
 #: Link burst: a few chunks, so shaping is smooth at the chunk granularity.
 BURST_BYTES = 1 << 20
 
-#: The forms a prompt's cache is encoded into before any pull asks: INT8 and the two
-#: LYNX splits ``--planes auto`` chooses between (each encode is ~2 % of a CPU prefill).
-DEFAULT_PREPARE = (CodecConfig(Scheme.INT8), CodecConfig(Scheme.LYNX, planes=(4, 4)),
-                   CodecConfig(Scheme.LYNX, planes=(3, 5)))
 
 
 @dataclasses.dataclass
@@ -107,7 +109,10 @@ class PrefillNode:
     receiving a prompt and sending one cache up to the receiver's
     confirmation), its handshake and peer timeouts applied to ``config``.
     ``transport``: how bytes move (default: UCX). ``prepare``: the forms every
-    prompt's cache is encoded into before its first send (with the request's own);
+    prompt's cache is encoded into before its first send and held, with the one the
+    request's is sent from (default INT8 alone, from which every split is cut as it is
+    sent; a LYNX split named here is held ready instead: more memory, no cut on the
+    send path);
     ``hold_native``: keep the float32 cache in memory too (default: only the
     encoded forms). ``on_sent``: called with each sent request's
     :class:`~lynx_decode.send_record.SendRecord` (on its send thread).
@@ -133,7 +138,7 @@ class PrefillNode:
         self.clock = clock
         self.max_pending = max_pending
         self.link_rate = link_rate
-        self.prepare = prepare
+        self.prepare = tuple(dict.fromkeys(prepare))
         self.hold_native = hold_native
         self.on_sent = on_sent
         self._memory: collections.OrderedDict[tuple[int, ...], HeldForms] = collections.OrderedDict()
@@ -230,31 +235,39 @@ class PrefillNode:
                 ids = self._token_ids(job.request, job.prompt)
                 codec = _codec(job.request)
                 encoded, held, nbytes = self._held(ids, codec)
+                if encoded.config != codec:
+                    held = f"{held}, {form_name(codec)} cut from {form_name(encoded.config)} as it is sent"
             except LynxError as exc:
                 self._finish(job, None, exc)
                 continue
             except Exception as exc:  # noqa: BLE001 - a failed prefill fails its request, not the node
                 self._finish(job, None, DecodeError(f"prefill failed: {type(exc).__name__}: {exc}"))
                 continue
-            self._sends.submit(self._send, job, encoded, held, nbytes)
+            self._sends.submit(self._send, job, codec, encoded, held, nbytes)
 
-    def _held(self, ids: list[int], codec: CodecConfig) -> tuple[EncodedCache, str, int]:
-        """The prompt's cache encoded as ``codec``, how it was come by (held in
-        memory, or prefilled (or found on disk) and encoded now, with the forms in
-        :attr:`prepare`, all then held (with ``memory_cache`` 0 nothing is held, and
-        only ``codec`` is encoded), and the bytes held for the prompt."""
+    def _held(self, ids: list[int], pulled: CodecConfig) -> tuple[EncodedCache, str, int]:
+        """The prompt's cache in a form a pull of ``pulled`` is sent from: ``pulled`` itself
+        where it is held (a form in :attr:`prepare`), else
+        :func:`~lynx_decode.held_forms.held_as` (a split's INT8 codes); how it was come by (held
+        in memory, or prefilled (or found on disk) and encoded now, with the forms in
+        :attr:`prepare`, all then held (with ``memory_cache`` 0 nothing is held, and only that
+        form is encoded)); and the bytes held for the prompt."""
+        forms = tuple(dict.fromkeys((pulled, held_as(pulled))))
         key = tuple(ids)
         with self._lock:
             entry = self._memory.get(key)
             if entry is not None:
                 self._memory.move_to_end(key)
-                if codec in entry.encoded:
-                    return entry.encoded[codec], f"held encoded, {entry.describe()}", entry.nbytes
+                for form in forms:
+                    if form in entry.encoded:
+                        return entry.encoded[form], f"held encoded, {entry.describe()}", entry.nbytes
         if isinstance(self.model, EncodedSource):  # a model that encoded the cache as it was made
-            ready = self.model.encoded(ids, codec)
-            if ready is not None:
-                return ready, (f"held encoded as it was saved ({form_name(codec)}, {ready.nbytes / 1e6:.1f} MB, "
-                               f"{ready.encode_s:.2f} s of encoding beside the prefill)"), ready.nbytes
+            for form in forms:
+                ready = self.model.encoded(ids, form)
+                if ready is not None:
+                    return ready, (f"held encoded as it was saved ({form_name(form)}, {ready.nbytes / 1e6:.1f} "
+                                   f"MB, {ready.encode_s:.2f} s of encoding beside the prefill)"), ready.nbytes
+        codec = pulled if pulled in self.prepare else forms[-1]
         start = time.monotonic()
         if entry is not None and entry.native is not None:
             native, source = entry.native, "prefill in memory"
@@ -297,7 +310,7 @@ class PrefillNode:
         return self.model.chat_prompt(text) if request.kind == "chat" else self.model.tokenize(text)
 
     # -- sending (one thread per request) -----------------------------------------------------
-    def _send(self, job: _Job, encoded: EncodedCache, source: str, held_bytes: int) -> None:
+    def _send(self, job: _Job, codec: CodecConfig, encoded: EncodedCache, source: str, held_bytes: int) -> None:
         request = job.request
         t0 = self.clock()
         start = time.monotonic()
@@ -307,7 +320,7 @@ class PrefillNode:
             conn.set_link_rate(None if request.bandwidth_gbps is None
                                else Rate(request.bandwidth_gbps, BURST_BYTES))
             calling = time.monotonic()
-            sending = send_cache(conn, encoded, self.model.info, encoded.config,
+            sending = send_cache(conn, encoded, self.model.info, codec,
                                  request_id=request.request_id, t0_unix=t0,
                                  hold_residual=request.hold_residual)
             sending.wait(self.stream_timeout_s)

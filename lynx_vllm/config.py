@@ -64,6 +64,7 @@ from typing import Any, Literal
 
 from lynx_decode.codec.config import CodecConfig, Scheme, check_planes, parse_planes
 from lynx_decode.errors import CodecError
+from lynx_decode.held_forms import held_as
 from lynx_decode.timeouts import Timeouts
 from lynx_transport.config import TransportConfig
 from lynx_vllm.errors import ConnectorError
@@ -231,7 +232,8 @@ def resolve_split(scheme: Scheme, planes: Planes) -> tuple[Scheme, tuple[int, ..
 
 def prepared_forms(scheme: Scheme, planes: Planes) -> tuple[CodecConfig, ...]:
     """The forms a producer encodes each saved layer into for consumers configured with
-    ``scheme``/``planes``: the form such a consumer pulls (:func:`resolve_split`; INT8 for LYNX
-    ``auto``)."""
+    ``scheme``/``planes``: the form such a consumer's pull is held in (:func:`resolve_split`, then
+    :func:`~lynx_decode.held_forms.held_as`: INT8 for LYNX ``auto`` and for any split, whose
+    planes the prefill node cuts from the INT8 codes as it sends them)."""
     pulled, split, _ = resolve_split(scheme, planes)
-    return (codec_config(pulled, split),)
+    return (held_as(codec_config(pulled, split)),)

@@ -10,9 +10,9 @@ lane (plane 0, the anchor with the scales, on the highest priority). Modules:
 :mod:`~lynx_decode.codec.api` (encode and decode a layer).
 """
 
-from lynx_decode.codec.api import EncodedLayer, decode_layer, encode_layer, int8_codes
+from lynx_decode.codec.api import EncodedLayer, decode_layer, encode_layer, int8_codes, lynx_from_int8
 from lynx_decode.codec.config import Backend, CodecConfig, Plane, Scheme, Split, parse_planes
 from lynx_decode.codec.layout import CacheLayout, LayerLayout
 
-__all__ = ["EncodedLayer", "encode_layer", "decode_layer", "int8_codes", "CodecConfig", "Scheme", "Split",
-           "Backend", "Plane", "parse_planes", "LayerLayout", "CacheLayout"]
+__all__ = ["EncodedLayer", "encode_layer", "decode_layer", "int8_codes", "lynx_from_int8", "CodecConfig", "Scheme",
+           "Split", "Backend", "Plane", "parse_planes", "LayerLayout", "CacheLayout"]

@@ -52,12 +52,13 @@ from typing import Any
 import numpy as np
 
 from lynx_decode.codec.backends import Ops, codes_of, select
-from lynx_decode.codec.config import Backend, CodecConfig, Scheme
+from lynx_decode.codec.backends.base import padded
+from lynx_decode.codec.config import Backend, CodecConfig, Scheme, int8_source
 from lynx_decode.codec.inputs import as_byte_buffer, as_f32, as_output, as_tensor
 from lynx_decode.codec.layout import DType, LayerLayout, plane_region
 from lynx_decode.errors import CodecError
 
-__all__ = ["EncodedLayer", "encode_layer", "decode_layer", "int8_codes"]
+__all__ = ["EncodedLayer", "encode_layer", "decode_layer", "int8_codes", "lynx_from_int8"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,40 @@ def _encode_with(ops: Ops, tk: Any, tv: Any, config: CodecConfig,
                 for p in range(layout.num_planes)]
         scale, zero = _params(anchor, layout, name, xp)
         ops.encode(x, name, config, scale, zero, outs)
+    return EncodedLayer(layout, types.MappingProxyType(buffers))
+
+
+def lynx_from_int8(layer: EncodedLayer, config: CodecConfig, *, planes: Iterable[int] | None = None,
+                   backend: Backend = Backend.AUTO) -> EncodedLayer:
+    """The LYNX layer ``config`` (``planes``: only these planes' buffers, default all) cut from an
+    INT8 layer encoded with :func:`~lynx_decode.codec.config.int8_source` of ``config``: its codes
+    split into bit planes and packed, its scales copied into plane 0. The bytes equal
+    :func:`encode_layer`'s for ``config`` on the same K and V; no quantization runs (a bit slice
+    and a pack per plane), so a prefill node holds one INT8 cache and cuts any split from it as a
+    pull asks. :class:`CodecError` when ``config`` cannot be cut from this layer."""
+    source = int8_source(config) if isinstance(config, CodecConfig) else None
+    if source is None:
+        raise CodecError(f"only a LYNX split on the MSB grid is cut from INT8 codes, not {config!r}")
+    src = layer.layout
+    if (src.scheme, src.k_group, src.v_group, src.split) != (Scheme.INT8, source.k_group, source.v_group,
+                                                             source.split):
+        raise CodecError(f"a {src.scheme.value} layer (groups {src.k_group}/{src.v_group}) is not the INT8 "
+                         f"form {config} is cut from (groups {config.k_group}/{config.v_group})")
+    wanted = _wanted_planes(config, planes)
+    ops, (data,) = _inputs(src, (layer.buffers[0],), backend)
+    xp = ops.xp
+    layout = LayerLayout.build(config, *src.shape)
+    buffers = _new_buffers(layout, xp, wanted)
+    n = src.kv_heads * src.tokens * src.head_dim
+    for name in ("k", "v"):
+        codes = _view(data, src, f"{name}_data", xp)
+        if padded(n) != n:  # the packing kernels take whole 64-value blocks
+            codes = xp.concatenate([codes, xp.zeros(padded(n) - n, dtype=xp.uint8)])
+        ops.cut_planes(codes, config, [_view(buffers[p], layout, plane_region(name, p), xp) if p in buffers
+                                       else None for p in range(layout.num_planes)])
+        if 0 in buffers:
+            for part in ("scale", "zero"):
+                _view(buffers[0], layout, f"{name}_{part}", xp)[...] = _view(data, src, f"{name}_{part}", xp)
     return EncodedLayer(layout, types.MappingProxyType(buffers))
 
 

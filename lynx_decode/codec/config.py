@@ -17,7 +17,7 @@ from lynx_decode.errors import CodecError
 from lynx_transport.lanes import MAX_LANES
 
 __all__ = ["Scheme", "Split", "Plane", "Backend", "CodecConfig", "MIN_BITS", "MAX_BITS", "ANCHOR_BITS",
-           "DEFAULT_ANCHOR_BITS", "MAX_PLANES", "parse_planes", "check_planes", "planes_name"]
+           "DEFAULT_ANCHOR_BITS", "MAX_PLANES", "parse_planes", "check_planes", "planes_name", "int8_source"]
 
 #: The anchor widths the codec supports: the one definition every layer, config and
 #: CLI flag takes the range from (1 bit is too coarse to draft on; at 7 the residual
@@ -187,3 +187,14 @@ def plane_table(scheme: Scheme, planes: tuple[int, ...]) -> tuple[Plane, ...]:
         shift -= width
         out.append(Plane(i, width, shift))
     return tuple(out)
+
+
+def int8_source(config: CodecConfig) -> CodecConfig | None:
+    """The INT8 form a LYNX ``config``'s planes can be cut from, bit for bit (same groups), or None
+    when they cannot: another scheme, or the ``ROUNDED`` grid (whose scales depend on the anchor
+    width). On the default ``MSB`` grid a LYNX layer is the INT8 layer's codes split into planes
+    with its scales (:func:`lynx_decode.codec.api.lynx_from_int8`), so one held INT8 cache serves
+    every split."""
+    if config.scheme is not Scheme.LYNX or config.split is not Split.MSB:
+        return None
+    return CodecConfig(Scheme.INT8, k_group=config.k_group, v_group=config.v_group)

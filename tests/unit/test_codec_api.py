@@ -9,8 +9,8 @@ import torch
 
 import lynx_decode
 from lynx_decode import Backend, CodecConfig, LayerLayout, Scheme, decode_layer, encode_layer
-from lynx_decode.codec import int8_codes
-from lynx_decode.codec.config import Split
+from lynx_decode.codec import int8_codes, lynx_from_int8
+from lynx_decode.codec.config import Split, int8_source
 from lynx_decode.errors import CodecError, LayoutError
 from lynx_transport.errors import BackendError
 
@@ -64,6 +64,40 @@ def test_one_plane_at_a_time_gives_the_same_bytes(kv, backend: Backend, bits: in
             one = encode_layer(k, v, config, backend=backend, planes=[plane])
             assert set(one.buffers) == {plane}
             assert np.array_equal(one.buffers[plane], every.buffers[plane])
+
+
+@pytest.mark.parametrize("backend", [Backend.NUMPY, Backend.NUMBA])
+@pytest.mark.parametrize("planes", [(4, 4), (3, 5), (2, 6), (6, 2), (2, 2, 4), (3, 1, 1, 3)])
+@pytest.mark.parametrize("tokens", [1, 63, T])
+def test_a_split_cut_from_int8_codes_is_its_encoding_byte_for_byte(kv, backend: Backend, planes: tuple[int, ...],
+                                                                     tokens: int) -> None:
+    """A prefill node holds INT8 and cuts any split from it as it sends: the planes must be the
+    split's own encoding, whole or a plane at a time (tails of a partial 64-value block included)."""
+    k, v = (x[:, :tokens].copy() for x in kv)
+    config = CodecConfig(Scheme.LYNX, planes=planes, k_group=32)
+    source = int8_source(config)
+    assert source == CodecConfig(Scheme.INT8, k_group=32)
+    int8 = encode_layer(k, v, source, backend=backend)
+    want = encode_layer(k, v, config, backend=backend)
+    cut = lynx_from_int8(int8, config, backend=backend)
+    assert cut.layout == want.layout and set(cut.buffers) == set(want.buffers)
+    for plane in want.buffers:
+        assert np.array_equal(cut.buffers[plane], want.buffers[plane]), plane
+        one = lynx_from_int8(int8, config, planes=[plane], backend=backend)
+        assert set(one.buffers) == {plane} and np.array_equal(one.buffers[plane], want.buffers[plane])
+
+
+def test_only_an_msb_split_is_cut_from_the_int8_form_with_its_groups(kv) -> None:
+    int8 = encode_layer(*kv, CodecConfig(Scheme.INT8))
+    assert int8_source(CodecConfig(Scheme.INT8)) is None and int8_source(CodecConfig(Scheme.BF16)) is None
+    rounded = CodecConfig(Scheme.LYNX, split=Split.ROUNDED)
+    assert int8_source(rounded) is None  # its grid's scales depend on the anchor width
+    with pytest.raises(CodecError, match="MSB grid"):
+        lynx_from_int8(int8, rounded)
+    with pytest.raises(CodecError, match="groups 64/64"):  # another grouping's codes are other codes
+        lynx_from_int8(int8, CodecConfig(Scheme.LYNX, v_group=32))
+    with pytest.raises(CodecError, match="is not the INT8 form"):
+        lynx_from_int8(encode_layer(*kv, CodecConfig(Scheme.INT4)), CodecConfig(Scheme.LYNX))
 
 
 def test_planes_must_be_ones_the_scheme_has(kv) -> None:

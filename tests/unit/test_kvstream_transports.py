@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from lynx_decode.codec import decode_layer, encode_layer
-from lynx_decode.codec.config import CodecConfig, Scheme
+from lynx_decode.codec.config import CodecConfig, Scheme, Split
 from lynx_decode.errors import CodecError, DecodeError
+from lynx_decode.held_forms import held_as
 from lynx_decode.kvassembler import KVAssembler
 from lynx_decode.kvencode import EncodedCache, encode_cache
 from lynx_decode.kvsend import send_cache, warm_up_codec
@@ -108,11 +109,14 @@ def decode_side(transport: Transport, pool_bytes: int = 16 << 20) -> Iterator[tu
 
 
 def _source(prefill: Prefill, config: CodecConfig, form: str) -> Prefill | EncodedCache:
-    """What ``send_cache`` is given: the float32 prefill, or its encoding held beforehand."""
-    return prefill if form == "prefill" else encode_cache(prefill, prefill.kv.shape.geometry, config)
+    """What ``send_cache`` is given: the float32 prefill, its encoding held beforehand, or the form
+    the prefill node holds it in (``held``: a LYNX split as INT8 codes, its planes cut as sent)."""
+    if form == "prefill":
+        return prefill
+    return encode_cache(prefill, prefill.kv.shape.geometry, held_as(config) if form == "held" else config)
 
 
-FORMS = ["prefill", "encoded"]
+FORMS = ["prefill", "encoded", "held"]
 
 
 def _reference(prefill: Prefill, config: CodecConfig, i: int, *, residual: bool = True) -> tuple:
@@ -239,8 +243,12 @@ def test_an_encoded_cache_is_sent_only_as_what_it_was_encoded_for(transport) -> 
     assert held.nbytes == sum(layer.wire_bytes() for layer in held.layers) > 0
     with decode_side(transport) as (_, conn, _):
         recording = Recording(conn)
-        with pytest.raises(DecodeError, match="encoded as"):
-            send_cache(recording, held, "m", CodecConfig(scheme=Scheme.LYNX), request_id="r", t0_unix=0.0)
+        # INT8 codes serve a LYNX split on their grid (cut as sent), nothing else
+        for config in (CodecConfig(scheme=Scheme.INT4), CodecConfig(scheme=Scheme.BF16),
+                       CodecConfig(scheme=Scheme.LYNX, split=Split.ROUNDED),
+                       CodecConfig(scheme=Scheme.LYNX, k_group=32)):
+            with pytest.raises(DecodeError, match="encoded as"):
+                send_cache(recording, held, "m", config, request_id="r", t0_unix=0.0)
         assert not recording.opened  # refused before anything went out
         other = ModelInfo("m", num_layers=4, kv_heads=2, head_dim=8, max_positions=4096,
                           vocab_size=100, eos_token_ids=frozenset({0}))

@@ -131,15 +131,31 @@ def test_a_prompt_is_held_encoded_and_a_pull_of_a_held_form_sends_at_once(transp
         # prefilled once, encoded into the pulled form and every prepared one; float32 dropped
         assert model.prefills == 1
         assert prefill.held_bytes == prepared + (native if hold_native else 0)
-        for planes in ((4, 4), (3, 5)):  # prepared: no prefill, no encode
+        assert prepared == cache_bytes(model.info.layers, len(PROMPT) - 1, CodecConfig(Scheme.INT8))
+        for planes in ((4, 4), (3, 5), (2, 2, 4)):  # cut from the held INT8 codes: no prefill, nothing more held
             lynx = decode.run(prefill.address, PROMPT, scheme=Scheme.LYNX, planes=planes, max_new_tokens=6)
             assert lynx.tokens == int8.tokens and model.prefills == 1
+            assert prefill.held_bytes == prepared + (native if hold_native else 0)
         # a form nobody prepared: from the float32 cache when held, else prefilled again
         bf16 = decode.run(prefill.address, PROMPT, scheme=Scheme.BF16, max_new_tokens=6)
         assert bf16.tokens == int8.tokens and model.prefills == (1 if hold_native else 2)
         assert prefill.held_bytes == prepared + held_forms + (native if hold_native else 0)
-        assert wait_until(lambda: prefill.served == 4, 5)  # counted once the confirmation is back
+        assert wait_until(lambda: prefill.served == 5, 5)  # counted once the confirmation is back
         assert prefill.failed == 0
+
+
+def test_a_split_named_in_prepare_is_held_ready_beside_int8(transport: Transport) -> None:
+    model = CountingToyLM()
+    waits = Timeouts(stream_s=5.0)
+    ready = CodecConfig(Scheme.LYNX, planes=(4, 4))
+    forms = sum(cache_bytes(model.info.layers, len(PROMPT) - 1, c) for c in (CodecConfig(Scheme.INT8), ready))
+    prepare = (CodecConfig(Scheme.INT8), ready)
+    with PrefillNode(model, transport=transport, timeouts=waits, prepare=prepare) as prefill, \
+            DecodeNode(model, transport=transport, timeouts=waits, pool_bytes=POOL) as decode:
+        runs = [decode.run(prefill.address, PROMPT, scheme=Scheme.LYNX, planes=planes, max_new_tokens=6)
+                for planes in ((4, 4), (3, 5))]  # the one held ready, and one cut from INT8
+        assert runs[0].tokens == runs[1].tokens and model.prefills == 1
+        assert prefill.held_bytes == forms
 
 
 def test_with_no_memory_cache_nothing_is_held_and_each_pull_prefills(transport: Transport) -> None:

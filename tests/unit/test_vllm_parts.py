@@ -351,7 +351,8 @@ def test_auto_is_the_default_split_and_pulls_int8_in_vllm() -> None:
 
 def test_the_producer_prepares_what_its_consumers_are_configured_to_pull() -> None:
     assert prepared_forms(Scheme.LYNX, "auto") == (CodecConfig(Scheme.INT8),)
-    assert prepared_forms(Scheme.LYNX, (2, 2, 4)) == (CodecConfig(Scheme.LYNX, planes=(2, 2, 4)),)
+    # a split is held as its INT8 codes: the prefill node cuts the planes as it sends them
+    assert prepared_forms(Scheme.LYNX, (2, 2, 4)) == (CodecConfig(Scheme.INT8),)
     assert prepared_forms(Scheme.BF16, "auto") == (CodecConfig(Scheme.BF16),)
 
 

@@ -104,6 +104,12 @@ class Ops:
         n = x.size
         codes = xp.zeros(padded(n), dtype=xp.uint8)
         self.quantize(x, inv, z32, group, kind, levels, codes[:n].reshape(x.shape))
+        self.cut_planes(codes, config, outs)
+
+    def cut_planes(self, codes: Any, config: CodecConfig, outs: Sequence[Any]) -> None:
+        """Padded 8-bit ``codes`` -> the packed regions of ``config``'s planes (``outs``, one per
+        plane of its plane table; None for a plane that is not wanted)."""
+        xp = self.xp
         table = config.plane_table
         if len(table) == 2 and all(out is not None for out in outs):
             self.split(codes, config.bits, outs[0], outs[1])

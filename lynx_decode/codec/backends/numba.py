@@ -174,6 +174,17 @@ class NumbaOps(Ops):
             zero.reshape(-1).view(np.uint16), flat, head_stride,
         )  # fmt: skip
 
+    def cut_planes(self, codes: Any, config: CodecConfig, outs: Sequence[Any]) -> None:
+        # serial, on the calling thread (a prefill node's send path, beside a busy decode node):
+        # both planes of a two-plane split in one pass, else one pass a plane (cpu_pack.cut_plane)
+        words = _words(codes)
+        if len(outs) == 2 and all(out is not None for out in outs):
+            self._pack.split_kernel(config.bits, serial=True)(words, _words(outs[0]), _words(outs[1]))
+            return
+        for plane, out in zip(config.plane_table, outs):
+            if out is not None:
+                self._pack.cut_plane(words, _words(out), plane.shift, plane.bits)
+
     @_locked
     def split(self, codes: Any, bits: int, anchor: Any, residual: Any) -> None:
         self._pack.split_kernel(bits)(_words(codes), _words(anchor), _words(residual))
