@@ -138,34 +138,10 @@ def send_cache(conn: Sender, cache: Prefill | EncodedCache, model: ModelInfo | s
         model_id, fingerprint = model.model_id, model.fingerprint
     else:
         model_id, fingerprint = model, None
-    if isinstance(cache, EncodedCache) and cache.config == config:
-        geometry = _encoded_geometry(cache, model)
-        layers = [layer.layout for layer in cache.layers]
-
-        def planes_of(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
-            return {p: cache.layers[i].buffers[p] for p in planes}
-    elif isinstance(cache, EncodedCache):
-        if int8_source(config) != cache.config:
-            raise DecodeError(f"the cache is encoded as {cache.config}, the send asks for {config}")
-        geometry = _encoded_geometry(cache, model)
-        layers = [LayerLayout.build(config, *layer.layout.shape) for layer in cache.layers]
-
-        def planes_of(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
-            return lynx_from_int8(cache.layers[i], config, planes=planes).buffers
+    if isinstance(cache, EncodedCache):
+        geometry, layers, planes_of = _encoded_source(cache, model, config)
     else:
-        kv = cache.kv
-        shape = kv.shape
-        geometry = model.layers if isinstance(model, ModelInfo) else shape.geometry
-        if len(geometry) != shape.num_layers:
-            raise DecodeError(f"the prefill has {shape.num_layers} layers, the model {model_id} {len(geometry)}")
-        covered = shape.tokens
-        if covered != len(cache.token_ids) - 1 or (shape.windowed and shape.layers):
-            raise DecodeError("send_cache needs a whole prefill: every layer covering all prompt tokens but the last")
-        layers = [LayerLayout.build(config, g.kv_heads, g.kept(covered), g.head_dim) for g in geometry]
-
-        def planes_of(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
-            k, v = layer_kv(kv, i, layers[i].tokens)
-            return encode_layer(k, v, config, planes=planes).buffers
+        geometry, layers, planes_of = _prefill_source(cache, model, model_id, config)
     header = KVHeader(request_id, model_id, config.scheme, len(cache.token_ids), t0_unix,
                       CacheLayout.of(layers), tuple(geometry), fingerprint)
     num_planes = layers[0].num_planes
@@ -195,6 +171,46 @@ def send_cache(conn: Sender, cache: Prefill | EncodedCache, model: ModelInfo | s
             stream.cancel()
         raise
     return CacheSend(stream, planes_of, len(layers), later, keep, deferred, first_supplied)
+
+
+_Source = tuple[tuple[LayerGeometry, ...], list[LayerLayout], PlaneSource]
+
+
+def _encoded_source(cache: EncodedCache, model: ModelInfo | str, config: CodecConfig) -> _Source:
+    """An encoded cache's geometry, layer layouts as sent and planes: its own buffers when it was
+    encoded as ``config``, else (INT8 codes sent as a LYNX split) each layer's planes cut as asked."""
+    geometry = _encoded_geometry(cache, model)
+    if cache.config == config:
+        def held(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
+            return {p: cache.layers[i].buffers[p] for p in planes}
+
+        return geometry, [layer.layout for layer in cache.layers], held
+    if int8_source(config) != cache.config:
+        raise DecodeError(f"the cache is encoded as {cache.config}, the send asks for {config}")
+
+    def cut(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
+        return lynx_from_int8(cache.layers[i], config, planes=planes).buffers
+
+    return geometry, [LayerLayout.build(config, *layer.layout.shape) for layer in cache.layers], cut
+
+
+def _prefill_source(cache: Prefill, model: ModelInfo | str, model_id: str, config: CodecConfig) -> _Source:
+    """A whole prefill's geometry, layer layouts and planes, each layer encoded as asked."""
+    kv = cache.kv
+    shape = kv.shape
+    geometry = tuple(model.layers if isinstance(model, ModelInfo) else shape.geometry)
+    if len(geometry) != shape.num_layers:
+        raise DecodeError(f"the prefill has {shape.num_layers} layers, the model {model_id} {len(geometry)}")
+    covered = shape.tokens
+    if covered != len(cache.token_ids) - 1 or (shape.windowed and shape.layers):
+        raise DecodeError("send_cache needs a whole prefill: every layer covering all prompt tokens but the last")
+    layers = [LayerLayout.build(config, g.kv_heads, g.kept(covered), g.head_dim) for g in geometry]
+
+    def encoded(i: int, planes: tuple[int, ...]) -> Mapping[int, Any]:
+        k, v = layer_kv(kv, i, layers[i].tokens)
+        return encode_layer(k, v, config, planes=planes).buffers
+
+    return geometry, layers, encoded
 
 
 def _encoded_geometry(cache: EncodedCache, model: ModelInfo | str) -> tuple[LayerGeometry, ...]:
