@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from lynx_decode import Backend, CodecConfig, Scheme, Split, decode_layer, encode_layer
-from lynx_decode.codec import int8_codes
+from lynx_decode.codec import int8_codes, lynx_from_int8
+from lynx_decode.codec.config import int8_source
 from lynx_transport.errors import BackendError
 
 pytestmark = pytest.mark.gpu
@@ -121,3 +122,21 @@ def test_cupy_every_prefix_of_a_multi_plane_split(planes, split: Split, shape) -
         got = decode_layer(ref.layout, *(cupy.asarray(b) for b in bufs[:n]), backend=Backend.CUPY)
         for g, w in zip(got, want):
             _same(g, w)
+
+
+@pytest.mark.parametrize("planes", [(4, 4), (3, 5), (2, 2, 4)])
+@pytest.mark.parametrize("shape", [(3, 2014, 64), (2, 77, 33)], ids=lambda s: "x".join(map(str, s)))
+def test_cupy_cuts_a_split_from_int8_codes_as_the_reference_encodes_it(planes, shape) -> None:
+    """What a prefill node holding INT8 on the device sends for a split: the split's own bytes."""
+    import cupy
+
+    config = CodecConfig(Scheme.LYNX, planes=planes)
+    k, v = _layer(shape, 11, np.float32)
+    ref = encode_layer(k, v, config, backend=Backend.NUMPY)
+    int8 = encode_layer(cupy.asarray(k), cupy.asarray(v), int8_source(config))
+    cut = lynx_from_int8(int8, config)
+    assert cut.layout == ref.layout
+    for plane in range(ref.layout.num_planes):
+        assert isinstance(cut.buffers[plane], cupy.ndarray)
+        _same(cut.buffers[plane], ref.buffers[plane])
+        _same(lynx_from_int8(int8, config, planes=[plane]).buffers[plane], ref.buffers[plane])
