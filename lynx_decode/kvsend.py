@@ -116,9 +116,10 @@ def send_cache(conn: Sender, cache: Prefill | EncodedCache, model: ModelInfo | s
     :func:`~lynx_decode.codec.config.int8_source`) has each layer's planes cut
     from its codes as they are supplied
     (:func:`~lynx_decode.codec.api.lynx_from_int8`: a 4k-token layer of
-    SmolLM2 in ~0.3 ms, both planes in one pass, the residual supplied after
-    the last anchor). A :class:`Prefill` is encoded here, layer by layer, each
-    anchor supplied as soon as it is encoded. Anchors go first either way.
+    SmolLM2 in ~0.3-1 ms, both planes in one pass, the first touch of the new
+    pages included; the residual supplied after the last anchor). A
+    :class:`Prefill` is encoded here, layer by layer, each anchor supplied as
+    soon as it is encoded. Anchors go first either way.
     ``hold_residual`` (LYNX; ignored for one-plane schemes): the lanes of planes
     1.. wait for the receiver's ``release_lane``; a prefill's later planes are
     encoded only then (in :meth:`CacheSend.wait`): each layer is quantized twice,

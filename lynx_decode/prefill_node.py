@@ -20,7 +20,7 @@ Threads (threads + futures, like the transport):
   sent from INT8 (its :func:`~lynx_decode.held_forms.held_as`): the same 8-bit
   codes and scales, from which the send cuts each layer's planes as it
   supplies them, so one INT8 cache per prompt serves the int8 pulls and every
-  split (~1 ms of CPU a 4k-token layer of SmolLM2 on the send path, off it
+  split (~0.3-1 ms of CPU a 4k-token layer of SmolLM2 on the send path, off it
   wherever a split pays: the layer's anchor takes longer on such a link). A later pull
   of a form not held (bf16, int4) reloads the float32 cache from disk (or
   prefills again) and encodes it. A model that is an
@@ -85,7 +85,6 @@ log = logging.getLogger("lynx_decode.prefill")
 
 #: Link burst: a few chunks, so shaping is smooth at the chunk granularity.
 BURST_BYTES = 1 << 20
-
 
 
 @dataclasses.dataclass
