@@ -5,7 +5,9 @@ environment (``make vllm-env``)::
     python -m lynx_bench.vllm.bench --out vllm-bench-out [--prompt-tokens 2048] [--requests 20]
         [--rate R|auto] [--configs none,lynx-bf16,lynx-int8,lynx-lynx,nixl] [--links 0.5,unshaped]
 
-Configurations (every server a ``vllm.entrypoints.openai.api_server`` process, one thread):
+Configurations (every server a ``vllm.entrypoints.openai.api_server`` process, one thread, on cores
+of its own as if on a node of its own: the producer or plain server the first half of this
+process's cores, the consumer the rest; ``--no-pin`` leaves them to the scheduler):
 ``none``, one plain vLLM server; ``lynx-<scheme>[-async]``, a LynxConnector producer and
 consumer with Lynx's proxy (``python -m lynx_vllm.proxy --scheme <scheme>``) in front (the
 configurations of one load mode share the two servers; only the proxy is restarted);
@@ -180,7 +182,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         bench.close()
     fill_equal_to_int8(results.rows, results.texts)
-    summary = {"config": _summary_config(args, rate, loadavg_start, results.errors), "runs": results.rows}
+    summary = {"config": {**_summary_config(args, rate, loadavg_start, results.errors), "server_cpus": bench.cpus,
+                          "dtype": bench.dtype},
+               "runs": results.rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "breakdown.json").write_text(json.dumps(results.details, indent=2) + "\n")
     _plot(summary, out)
@@ -349,6 +353,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="unshaped (loopback) and/or rates in Gbit/s, each held by tc on a `lynx link up --hosts 2` "
                         f"namespace link that both connectors cross (needs root; default {DEFAULT_LINKS})")
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed (default %(default)s)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="the servers' dtype (default auto: bfloat16 where the CPU computes in it, AVX-512 BF16 or "
+                        "AMX, else float32)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave the servers to the scheduler (default: producer and consumer each on cores of "
+                        "their own, as on two nodes)")
     args = p.parse_args(argv)
     if args.prompt_tokens < 16:
         p.error(f"--prompt-tokens must be at least 16, got {args.prompt_tokens}")

@@ -1,8 +1,8 @@
 """The processes of ``make vllm-bench`` (:mod:`lynx_bench.vllm.bench`) and where they run: a
 :class:`Server` (one process in a session of its own, with its log, ``/health`` probe and stop),
 :func:`wait_ready`, a :class:`Caller` (this process's HTTP calls, from a thread inside a network
-namespace when the servers live in one) and :class:`Hosts` (which namespace and address each role
-has on a link, or loopback).
+namespace when the servers live in one), :class:`Hosts` (which namespace and address each role
+has on a link, or loopback) and :func:`role_cpus` (which cores each server may run on).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import IO, ClassVar, TypeVar
 from lynx_bench.common.errors import VllmNodeError
 from lynx_bench.netem.link import Link
 
-__all__ = ["READY_S", "STOP_S", "Server", "wait_ready", "Caller", "Hosts"]
+__all__ = ["READY_S", "STOP_S", "Server", "wait_ready", "Caller", "Hosts", "role_cpus", "pinned"]
 
 READY_S = 600.0      # two vLLM servers starting at once on two busy cores
 STOP_S = 20.0
@@ -143,3 +143,20 @@ class Hosts:
 
     def close(self) -> None:
         self.caller.close()
+
+
+def role_cpus(available: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """The cores each server may run on, as if each were a node of its own: the producer (or the one
+    plain server) the first half of ``available``, the consumer the rest. The proxy and the benchmark
+    client (role ``client``) are not pinned; with fewer than two cores nothing is (empty)."""
+    cpus = sorted(set(available))
+    if len(cpus) < 2:
+        return {}
+    half = len(cpus) // 2
+    return {"producer": tuple(cpus[:half]), "consumer": tuple(cpus[half:])}
+
+
+def pinned(argv: list[str], cpus: Sequence[int]) -> list[str]:
+    """``argv`` run on ``cpus`` only (``taskset -c``; its threads and children inherit it), or as it
+    is when ``cpus`` is empty."""
+    return list(argv) if not cpus else ["taskset", "-c", ",".join(map(str, cpus)), *argv]

