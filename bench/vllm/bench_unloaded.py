@@ -1,8 +1,9 @@
 """An asynchronous configuration's unloaded TPOT in ``make vllm-bench`` (:mod:`lynx_bench.vllm.bench`):
 the same consumer decoding with no load beside it, measured before the loaded run, with nothing
 else running (``idle``) and with the producer prefilling other prompts at the run's rate
-(``beside_prefills``): on a host where producer and consumer share the cores, the second is the
-loaded run's CPU without its loads, the reference its TPOT p99 is judged against."""
+(``beside_prefills``): where producer and consumer share the cores (``--no-pin``; the benchmark
+gives each cores of its own otherwise), the second is the loaded run's CPU without its loads, the
+reference its TPOT p99 is judged against; pinned apart, the two should agree."""
 
 from __future__ import annotations
 
