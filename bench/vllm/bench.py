@@ -182,9 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         bench.close()
     fill_equal_to_int8(results.rows, results.texts)
-    summary = {"config": {**_summary_config(args, rate, loadavg_start, results.errors), "server_cpus": bench.cpus,
-                          "dtype": bench.dtype},
-               "runs": results.rows}
+    summary = {"config": _summary_config(bench, rate, loadavg_start, results.errors), "runs": results.rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "breakdown.json").write_text(json.dumps(results.details, indent=2) + "\n")
     _plot(summary, out)
@@ -273,9 +271,11 @@ def _measure(bench: Bench, c: BenchConfig, link: float | None, tag: str, prefill
     return row, proxy
 
 
-def _summary_config(args: argparse.Namespace, rate: Rate, loadavg_start: tuple[float, float, float],
+def _summary_config(bench: Bench, rate: Rate, loadavg_start: tuple[float, float, float],
                     errors: list[dict[str, Any]]) -> dict[str, Any]:
-    """``summary.json``'s ``config``: the command, the workload, the configurations and links, the host."""
+    """``summary.json``'s ``config``: the command, the workload, the configurations and links, the
+    servers' dtype and cores, the host."""
+    args = bench.args
     return {"command": shlex.join([sys.executable, "-m", "lynx_bench.vllm.bench", *args.argv]),
             "seed": args.seed, "prompt_tokens": args.prompt_tokens, "output_tokens": OUTPUT_TOKENS,
             "requests": args.requests, "rate": rate.value,
@@ -292,6 +292,7 @@ def _summary_config(args: argparse.Namespace, rate: Rate, loadavg_start: tuple[f
                      "ucx": "unshaped: UCX's own choice; shaped: the link's ucx_env (tcp, veth)"},
             "model": str(args.model), "servers": "vllm.entrypoints.openai.api_server, one thread each "
                                                  "(OMP_NUM_THREADS=1), VLLM_CPU_KVCACHE_SPACE=1",
+            "dtype": bench.dtype, "server_cpus": bench.cpus,
             "consumer_ttft": "proxy decode_sent_at -> decode_first_byte_at (the decode leg's first "
                              "streamed token)",
             "tpot_unloaded": f"async configurations: {UNLOADED_REQUESTS} requests one at a time (vLLM's "

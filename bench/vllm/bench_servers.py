@@ -15,7 +15,7 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, ClassVar, TypeVar
 
@@ -145,7 +145,7 @@ class Hosts:
         self.caller.close()
 
 
-def role_cpus(available: Sequence[int]) -> dict[str, tuple[int, ...]]:
+def role_cpus(available: Iterable[int]) -> dict[str, tuple[int, ...]]:
     """The cores each server may run on, as if each were a node of its own: the producer (or the one
     plain server) the first half of ``available``, the consumer the rest. The proxy and the benchmark
     client (role ``client``) are not pinned; with fewer than two cores nothing is (empty)."""

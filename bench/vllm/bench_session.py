@@ -80,13 +80,13 @@ class Bench:
         self.env = {**os.environ, **numba_cache_env(python), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                     "PYTHONUNBUFFERED": "1"}
+        #: also the step's token budget (``--max-num-batched-tokens``), so each prompt is prefilled
+        #: in one step, not in chunks of vLLM's default budget
         self.max_model_len = max(4096, args.prompt_tokens + OUTPUT_TOKENS + 128)
-        # also the step's token budget (--max-num-batched-tokens), so each prompt is prefilled in
-        # one step, not in chunks of vLLM's default budget
         self.dtype = args.dtype if args.dtype != "auto" else native_dtype()
         self.hosts = Hosts(None)
         #: each server role's cores (:func:`role_cpus`; empty with ``--no-pin``)
-        self.cpus = role_cpus(sorted(os.sched_getaffinity(0))) if args.pin else {}
+        self.cpus = role_cpus(os.sched_getaffinity(0)) if args.pin else {}
 
     # -- processes ---------------------------------------------------------------------------
     def start(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
