@@ -9,7 +9,9 @@ from the mode being measured). The switches:
 
 * ``send_before_accept`` - the chunks follow the manifest at once (``OPEN_SENT``)
   against OPEN -> ACCEPT -> chunks;
-* ``busy_poll`` - the latency mode: I/O threads that poll instead of sleeping.
+* ``busy_poll`` - the latency mode: I/O threads that poll instead of sleeping;
+* ``send_from_caller`` - ``send_stream()`` runs on the caller's thread when the
+  sender's I/O thread is waiting, against handing every call to that thread.
 
 Per stream, on one clock (``time.monotonic()``, shared by the host's processes):
 
@@ -37,7 +39,7 @@ import time
 from typing import Any
 
 SIZES = (64 << 10, 1 << 20)
-KNOBS = ("send_before_accept", "busy_poll")
+KNOBS = ("send_before_accept", "busy_poll", "send_from_caller")
 
 
 def _cpu_s() -> float:

@@ -77,7 +77,8 @@ class SenderLoop(IoLoop):
     def __init__(self, config: TransportConfig, clock: Clock, worker: UcxWorker,
                  link: Rate | None = None, lanes: dict[int, Rate] | None = None) -> None:
         super().__init__("lynx-tx-io", config.ucx_tls, clock, nice=config.thread_nice, worker=worker,
-                         heartbeat_s=config.heartbeat_interval_s, busy_poll=config.busy_poll)
+                         heartbeat_s=config.heartbeat_interval_s, busy_poll=config.busy_poll,
+                         inline_calls=config.send_from_caller)
         self.heartbeat_s = config.heartbeat_interval_s
         self.peer_timeout_s = config.peer_timeout_s
         self.send_before_accept = config.send_before_accept
@@ -282,10 +283,21 @@ class SenderLoop(IoLoop):
                     tx.peer.counters.add(sent.lane, sent.nbytes, now)
                     self.counters.add(sent.lane, sent.nbytes, now)
                     self.maybe_finish_cancel(tx)
-        while (chunk := self.sched.next_chunk()) is not None:
-            progressed = True
-            self.send_chunk(chunk, now)
+        progressed = self.send_ready(now) or progressed
         return progressed, bool(self.inflight), self.housekeeping(now)
+
+    def send_ready(self, now: float) -> bool:
+        """Hand every chunk the scheduler lets go now to UCX; True if any went."""
+        sent = False
+        while (chunk := self.sched.next_chunk()) is not None:
+            sent = True
+            self.send_chunk(chunk, now)
+        return sent
+
+    def after_inline_call(self) -> None:
+        # a stream opened (or a region supplied, a lane released) on the caller's thread:
+        # its first chunks leave from there too (``TransportConfig.send_from_caller``)
+        self.send_ready(self.clock.now())
 
     def send_chunk(self, chunk: Chunk, now: float) -> None:
         """Hand one scheduled chunk to UCX (its CHUNK_SUM first, if the receiver asked)."""

@@ -6,17 +6,23 @@ until the stream's bytes have landed in its memory. A sender that waited for any
 control reply (ACCEPT) before sending would never deliver them; the real sender
 does. Offered no ``OPEN_SENT`` (``max_open`` 0, as an older receiver), the same
 sender sends ``OPEN`` and waits for its ACCEPT: no chunk comes before it.
+
+And no thread hand-off before the first byte either (``send_from_caller``): with
+the sender's I/O thread waiting, ``send_stream`` hands the first chunk to UCX on
+the caller's own thread (a real receiver here).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
 
 import numpy as np
+import pytest
 
-from lynx_transport import Lane, TransportConfig
+from lynx_transport import Lane, ReceivePool, Receiver, TransportConfig
 from lynx_transport.protocol import wire
 from lynx_transport.protocol.manifest import decode_manifest
 from lynx_transport.protocol.wire import Frame, FrameDecoder, FrameType, encode_frame
@@ -132,3 +138,33 @@ def test_a_receiver_that_offers_no_open_sent_gets_open_and_no_chunk_before_accep
     frame, got, replies = _run(max_open=0, wait_s=0.3)
     assert frame.type is FrameType.OPEN
     assert got is None and replies == 0
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["send_from_caller", "through_the_io_thread"])
+def test_the_first_chunk_leaves_from_the_callers_thread_when_the_io_thread_waits(on: bool) -> None:
+    cfg = dataclasses.replace(CFG, send_from_caller=on)
+    with Receiver(ReceivePool(4 << 20), config=cfg,
+                  on_stream_complete=lambda s: s.release()) as rx:
+        conn = connect(rx.address, timeout=10.0, config=cfg)
+        worker = conn._loop.worker
+        send = worker.tag_send
+        first: dict[int, str] = {}  # stream id -> the thread that handed its first chunk to UCX
+
+        def recording(endpoint, view, tag):  # observes; the real send still happens
+            first.setdefault(tag >> wire.CHUNK_BITS, threading.current_thread().name)
+            return send(endpoint, view, tag)
+
+        worker.tag_send = recording
+        try:
+            me = threading.current_thread().name
+            for _ in range(10):
+                time.sleep(0.05)  # the I/O thread goes back to waiting (on the epoll fd)
+                conn.send_stream([("anchor", pattern(3, NBYTES), Lane.ANCHOR)]).wait(30)
+        finally:
+            conn.close()
+    assert len(first) == 10
+    mine = sum(name == me for name in first.values())
+    if on:  # the I/O thread holds its lock only while it works: most sends find it free
+        assert mine >= 1, first
+    else:
+        assert mine == 0 and set(first.values()) == {"lynx-tx-io"}, first
