@@ -19,6 +19,7 @@ LYNX plane ``i >= 1`` holds ``k_plane{i}``/``v_plane{i}``. In the cache, layer
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -202,7 +203,13 @@ class LayerLayout:
 
     def plane_size(self, plane: int) -> int:
         """Bytes of this layer's buffer on ``plane`` (0 when it has none)."""
-        return max((r.offset + r.size for r in self.regions if r.plane == plane), default=0)
+        return self._plane_sizes[plane] if 0 <= plane < MAX_PLANES else 0
+
+    @functools.cached_property
+    def _plane_sizes(self) -> tuple[int, ...]:
+        """:meth:`plane_size` of every plane, worked out once (a frozen value: it cannot go stale)."""
+        return tuple(max((r.offset + r.size for r in self.regions if r.plane == p), default=0)
+                     for p in range(MAX_PLANES))
 
     def validate(self) -> None:
         """Raise :class:`LayoutError` unless this layout is exactly what :meth:`build` gives."""
@@ -312,8 +319,13 @@ class CacheLayout:
 
     @classmethod
     def of(cls, layers: Any) -> CacheLayout:
-        """Place ``layers`` one after another on each plane (aligned)."""
-        layers = tuple(layers)
+        """Place ``layers`` one after another on each plane (aligned).
+
+        Equal layers (a model's layers mostly are) become one object, so
+        :meth:`validate` checks each distinct layer once: a 30-layer cache took
+        2 ms to place and validate, on every send of a held cache."""
+        interned: dict[LayerLayout, LayerLayout] = {}
+        layers = tuple(interned.setdefault(layer, layer) for layer in layers)
         cursor = [0] * MAX_PLANES
         offsets = []
         for layer in layers:
@@ -387,15 +399,18 @@ class CacheLayout:
                 )
 
     def to_bytes(self) -> bytes:
-        obj = {
-            "format": FORMAT_NAME,
-            "version": self.version,
-            "layers": [
-                {**layer.to_json(), "offsets": list(offs)}
-                for layer, offs in zip(self.layers, self.offsets)
-            ],
-        }
-        return json.dumps(obj, separators=(",", ":")).encode()
+        # the text json.dumps gives for the whole object, each distinct layer object's
+        # JSON written once (the layers' descriptions are most of the work)
+        compact = functools.partial(json.dumps, separators=(",", ":"))
+        described: dict[int, str] = {}
+        layers = []
+        for layer, offs in zip(self.layers, self.offsets):
+            text = described.get(id(layer))
+            if text is None:
+                text = described[id(layer)] = compact(layer.to_json())[:-1]
+            layers.append(f'{text},"offsets":{compact(list(offs))}}}')
+        head = compact({"format": FORMAT_NAME, "version": self.version})[:-1]
+        return f'{head},"layers":[{",".join(layers)}]}}'.encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, *, max_bytes: int = MAX_DESCRIPTOR_BYTES) -> CacheLayout:
