@@ -395,7 +395,8 @@ def test_an_idle_busy_polling_io_thread_takes_a_share_of_a_core(timing) -> None:
                     _idle_io_cpu_s(True), 0.05)
 
 
+@pytest.mark.parametrize("name", ["busy_poll", "send_before_accept", "send_from_caller"])
 @pytest.mark.parametrize("bad", [1, "yes", None])
-def test_busy_poll_must_be_a_bool(bad) -> None:
-    with pytest.raises(ValueError, match="busy_poll"):
-        TransportConfig(busy_poll=bad)
+def test_the_switches_must_be_bools(name: str, bad) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be a bool"):
+        TransportConfig(**{name: bad})
