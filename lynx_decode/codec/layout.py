@@ -206,8 +206,7 @@ class LayerLayout:
         return self._plane_sizes[plane] if 0 <= plane < MAX_PLANES else 0
 
     @functools.cached_property
-    def _plane_sizes(self) -> tuple[int, ...]:
-        """:meth:`plane_size` of every plane, worked out once (a frozen value: it cannot go stale)."""
+    def _plane_sizes(self) -> tuple[int, ...]:  # once per (frozen) layout
         return tuple(max((r.offset + r.size for r in self.regions if r.plane == p), default=0)
                      for p in range(MAX_PLANES))
 
@@ -319,11 +318,8 @@ class CacheLayout:
 
     @classmethod
     def of(cls, layers: Any) -> CacheLayout:
-        """Place ``layers`` one after another on each plane (aligned).
-
-        Equal layers (a model's layers mostly are) become one object, so
-        :meth:`validate` checks each distinct layer once: a 30-layer cache took
-        2 ms to place and validate, on every send of a held cache."""
+        """Place ``layers`` one after another on each plane (aligned). Equal layers (a
+        model's mostly are) become one object, which :meth:`validate` checks once."""
         interned: dict[LayerLayout, LayerLayout] = {}
         layers = tuple(interned.setdefault(layer, layer) for layer in layers)
         cursor = [0] * MAX_PLANES
@@ -399,14 +395,12 @@ class CacheLayout:
                 )
 
     def to_bytes(self) -> bytes:
-        # the text json.dumps gives for the whole object, each distinct layer object's
-        # JSON written once (the layers' descriptions are most of the work)
+        # json.dumps's text for the whole object; each distinct layer described once
         compact = functools.partial(json.dumps, separators=(",", ":"))
         described: dict[int, str] = {}
         layers = []
         for layer, offs in zip(self.layers, self.offsets):
-            text = described.get(id(layer))
-            if text is None:
+            if (text := described.get(id(layer))) is None:
                 text = described[id(layer)] = compact(layer.to_json())[:-1]
             layers.append(f'{text},"offsets":{compact(list(offs))}}}')
         head = compact({"format": FORMAT_NAME, "version": self.version})[:-1]
