@@ -263,24 +263,19 @@ class IoLoop:
             ran.append((fut, self._outcome(fn, fut)))
 
     def _select(self, timeout: float) -> bool:
-        if timeout > 0:
-            self._owner.release()
-            try:
-                events = self.selector.select(timeout)
-            finally:
-                self._owner.acquire()
-        else:
-            events = self.selector.select(0)
+        events = (self._pause(self.selector.select, timeout) if timeout > 0
+                  else self.selector.select(0))
         for key, _ in events:
             if key.data is not None:
                 key.data(key.fileobj)
         return bool(events)
 
-    def _pause(self, wait: Callable[[], Any]) -> None:
-        """``wait()`` (a nap, a yield) without the owner lock: a caller may run meanwhile."""
+    def _pause(self, wait: Callable[..., Any], *args: Any) -> Any:
+        """``wait(*args)`` (a select, a nap, a yield) without the owner lock, so a caller may
+        run meanwhile; its result."""
         self._owner.release()
         try:
-            wait()
+            return wait(*args)
         finally:
             self._owner.acquire()
 
@@ -318,8 +313,7 @@ class IoLoop:
                     if self.eager() and time.perf_counter() - last_progress < _POLL_WINDOW_S:
                         if n % _SOCKET_POLL_EVERY == 0:
                             self._select(0)
-                        nap = min(_NAP_S, timeout)
-                        self._pause(lambda: time.sleep(nap))  # noqa: B023 - called at once
+                        self._pause(time.sleep, min(_NAP_S, timeout))
                         continue
                     timeout = min(timeout, _PENDING_SLEEP_MAX_S)
                 if timeout < _PRECISE_SLEEP_S:
@@ -337,7 +331,7 @@ class IoLoop:
                         if self.worker.arm():
                             self._select(whole_ms - 1e-6)  # epoll rounds up: stay below
                         continue
-                    self._pause(lambda: time.sleep(timeout))  # noqa: B023 - called at once
+                    self._pause(time.sleep, timeout)
                     self._select(0)
                     continue
                 if timeout > 0 and not self.worker.arm():

@@ -148,7 +148,7 @@ def test_the_first_chunk_leaves_from_the_callers_thread_when_the_io_thread_waits
         conn = connect(rx.address, timeout=10.0, config=cfg)
         worker = conn._loop.worker
         send = worker.tag_send
-        first: dict[int, str] = {}  # stream id -> the thread that handed its first chunk to UCX
+        first: dict[int, str] = {}  # stream token -> the thread that handed its first chunk to UCX
 
         def recording(endpoint, view, tag):  # observes; the real send still happens
             first.setdefault(tag >> wire.CHUNK_BITS, threading.current_thread().name)
