@@ -36,7 +36,9 @@ Threads: who calls what, and what may block, is the same for both:
   and waits at most its ``timeout`` for the hand-off (never for the transfer).
 * ``Listener`` callbacks (:class:`ReceiverCallbacks`): one callback thread per
   listener, one callback at a time, in the order events happened, each once and
-  only after the bytes it reports are in place. A callback that raises is logged.
+  only after the bytes it reports are in place (regions that the I/O side finds
+  complete in the same poll are reported in manifest order). A callback that
+  raises is logged.
 
 Errors: everything raised is a :class:`~lynx_transport.errors.TransportError`
 (``ConnectError`` when nobody listens, ``PeerDisconnectedError`` when the peer

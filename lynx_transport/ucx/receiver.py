@@ -14,8 +14,9 @@ Usage::
 
 Threads: one I/O thread (``lynx-rx-io``) owns the UCX worker, the sockets and
 all stream state; user callbacks run on one callback thread
-(``lynx-rx-callbacks``), one at a time, in the order events happened, each
-exactly once and only after the bytes it reports are in place:
+(``lynx-rx-callbacks``), one at a time, in the order events happened (the
+I/O thread's order of observation: regions it finds complete in one poll come in
+manifest order), each exactly once and only after the bytes it reports are in place:
 
 * ``on_stream_open(stream)`` - manifest accepted, pool carved, receives posted;
 * ``on_chunk(stream, region, offset, nbytes)`` - one chunk landed (optional);
