@@ -95,7 +95,7 @@ def run(model_dir: Path, out: Path, *, tokens: int = 2048, new_tokens: int = 16,
     rows: dict[str, list[dict[str, Any]]] = {s: [] for s in (*SCHEMES, "no_transfer")}
     bar = progress_bar(total=4 + repeats * (len(SCHEMES) + 1) + 3, disable=False, unit="step")
     try:
-        bar.set_postfix_str("starting the producer and the consumer (vLLM, ~30-60 s each)")
+        bar.set_postfix_str("starting the producer and the consumer (vLLM, ~15-30 s each)")
         producer, consumer = _start(
             dict(python=python, model=model_dir, connector="lynx", role="kv_producer", log=out / "producer.log",
                  extra={"port": port, "bandwidth_gbps": bandwidth_gbps}),
