@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -158,5 +159,11 @@ def role_cpus(available: Iterable[int]) -> dict[str, tuple[int, ...]]:
 
 def pinned(argv: list[str], cpus: Sequence[int]) -> list[str]:
     """``argv`` run on ``cpus`` only (``taskset -c``; its threads and children inherit it), or as it
-    is when ``cpus`` is empty."""
-    return list(argv) if not cpus else ["taskset", "-c", ",".join(map(str, cpus)), *argv]
+    is when ``cpus`` is empty. :class:`VllmNodeError` when cores are asked for and ``taskset`` is not
+    on ``PATH``, before anything starts."""
+    if not cpus:
+        return list(argv)
+    if shutil.which("taskset") is None:
+        raise VllmNodeError("pinning the servers to cores needs taskset, which is not on PATH: install "
+                            "util-linux (apt-get install util-linux), or pass --no-pin")
+    return ["taskset", "-c", ",".join(map(str, cpus)), *argv]

@@ -197,6 +197,16 @@ def test_each_server_gets_cores_of_its_own_and_the_proxy_and_client_none() -> No
     assert pinned(["python", "-V"], ()) == ["python", "-V"]
 
 
+def test_pinning_without_taskset_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lynx_bench.common.errors import VllmNodeError
+    from lynx_bench.vllm.bench_servers import pinned
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no taskset on it
+    with pytest.raises(VllmNodeError, match="taskset.*--no-pin"):
+        pinned(["python", "-V"], (0,))
+    assert pinned(["python", "-V"], ()) == ["python", "-V"]  # nothing asked: nothing needed
+
+
 def test_pinning_is_the_default_and_no_pin_turns_it_off() -> None:
     from lynx_bench.vllm.bench import parse_args
 
