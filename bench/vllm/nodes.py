@@ -3,10 +3,7 @@
 
     python -m lynx_bench.vllm.nodes --model DIR --connector lynx --role kv_producer --extra '{"port": 14600}'
 
-It loads the model (offline, CPU, one thread unless ``--threads``; vLLM's engine core in
-this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the environment says otherwise,
-where ``vllm serve`` runs it in a child: the connector's scheduler and worker sides are the
-same objects either way, and a node starts in half the time), prints
+It loads the model (offline, CPU, one thread unless ``--threads``), prints
 ``LYNX-NODE {"ready": true, ...}`` on stdout, then reads one command per line on
 stdin and answers each with one ``LYNX-NODE {...}`` line (vLLM's own logs go to
 stderr):
@@ -26,6 +23,11 @@ stderr):
     ``aborted``.
 ``{"op": "quit"}``
     shuts the engine down and exits.
+
+vLLM's engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the
+environment sets it), where ``vllm serve`` runs it in a child process: the connector's
+scheduler and worker sides are the same either way, and a node imports vLLM once, not twice,
+so it starts in half the time.
 
 ``--connector``: ``lynx`` (:class:`lynx_vllm.connector.LynxConnector`), ``example``
 (vLLM's ``ExampleConnector``, through a shared folder ``--storage``) or ``none``.
