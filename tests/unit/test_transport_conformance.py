@@ -238,7 +238,7 @@ def test_regions_can_be_supplied_later_in_any_order(transport) -> None:
         sent.supply("b", data["b"])
         with pytest.raises(ValueError, match="already supplied"):
             sent.supply("b", data["b"])
-        # b goes though a, before it on the lane and in the manifest, is not supplied yet
+        # b goes, though a (before it on the lane and in the manifest) is not supplied yet
         stream.wait_region("b", WAIT)
         assert not stream.region_done("a")
         sent.supply("a", data["a"])
